@@ -1,0 +1,255 @@
+"""The one engine loop: prompts in, per-request per-layer hidden states out, in input order.
+
+Both the patched upstream generator and our drop-in generator run on this class, so a fix for a
+new vLLM release lands here once.
+
+Shape of the loop (every version 0.11 -> 0.32):
+  1. ``EngineArgs(...).create_engine_config()`` builds the VllmConfig (vLLM's own public builder:
+     it fills ``is_encoder_decoder``, block sizes, chunked-prefill budgets for each version) with
+     prefix caching OFF (a cache hit skips computing, so nothing would be captured) and our worker
+     extension;
+  2. vLLM's in-process ``EngineCore`` builds the executor, profiles memory, sizes and initialises
+     the KV cache, warms up, and creates the scheduler (with the right ``block_size`` /
+     ``hash_block_size`` / block hasher for the version);
+  3. per ``run()``: announce (request id, prompt length) to the workers, add one max_tokens=1
+     ``Request`` per prompt, and step the EngineCore until every request finished. Its step drives
+     the execute_model / sample_tokens two-phase protocol (0.12+) and the async batch queue; no
+     request is ever aborted mid-prefill, so chunked prefill completes;
+  4. take the captures (rank 0), keyed by request id, check coverage, return in input order.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+logger = logging.getLogger("speculators_compat.engine")
+
+WORKER_EXTENSION = "speculators_compat.engine.worker.CaptureExtension"
+ASYNC_ENV = "SPECULATORS_COMPAT_ASYNC"
+ASYNC_CHOICES = ("disable", "keep")
+
+
+class CaptureError(RuntimeError):
+    """Captured hidden states failed a correctness check (coverage, NaN/Inf, shape)."""
+
+
+class StallError(RuntimeError):
+    """The engine stopped making progress with requests still pending."""
+
+
+def resolve_async(strategy: str | None) -> str:
+    s = strategy if strategy is not None else os.environ.get(ASYNC_ENV, "disable")
+    if s not in ASYNC_CHOICES:
+        raise ValueError(f"async scheduling strategy must be one of {ASYNC_CHOICES}, not {s!r} "
+                         f"(argument async_scheduling or ${ASYNC_ENV})")
+    return s
+
+
+@dataclass
+class EngineOptions:
+    model: str
+    tokenizer: str | None = None
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.8
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    quantization: str | None = None
+    trust_remote_code: bool = False
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_expert_parallel: bool = False
+    async_scheduling: str | None = None  # "disable" | "keep" (None: $SPECULATORS_COMPAT_ASYNC or disable)
+    seed: int = 0
+    enforce_eager: bool = True
+    engine_kwargs: dict = field(default_factory=dict)  # passed through to EngineArgs
+
+
+def build_vllm_config(opts: EngineOptions):
+    """A VllmConfig for extraction, from vLLM's own EngineArgs (stable in every version)."""
+    _pin_v1_runner()
+    from vllm.engine.arg_utils import EngineArgs
+
+    if opts.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, not {opts.tensor_parallel_size}")
+    strategy = resolve_async(opts.async_scheduling)
+    kw: dict[str, Any] = dict(
+        model=opts.model,
+        tokenizer=opts.tokenizer or opts.model,
+        trust_remote_code=opts.trust_remote_code,
+        dtype=opts.dtype,
+        max_model_len=opts.max_model_len,
+        enforce_eager=opts.enforce_eager,
+        tensor_parallel_size=opts.tensor_parallel_size,
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+        worker_extension_cls=WORKER_EXTENSION,
+        # A prefix-cache hit skips computing the cached positions: they would never be captured.
+        enable_prefix_caching=False,
+        seed=opts.seed,
+        enable_expert_parallel=opts.enable_expert_parallel,
+    )
+    if opts.quantization:
+        kw["quantization"] = opts.quantization
+    if opts.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = opts.max_num_batched_tokens
+    if opts.max_num_seqs:
+        kw["max_num_seqs"] = opts.max_num_seqs
+    if strategy == "disable":
+        kw["async_scheduling"] = False
+    kw.update(opts.engine_kwargs)
+    if kw.get("pipeline_parallel_size", 1) != 1:
+        raise ValueError("pipeline parallelism is not supported for capture (layers would be split "
+                         "across ranks); use tensor parallelism")
+    if kw.get("enable_prefix_caching"):
+        raise ValueError("enable_prefix_caching=True would skip computing cached prefixes, whose "
+                         "hidden states then could not be captured")
+    return EngineArgs(**kw).create_engine_config()
+
+
+def _pin_v1_runner() -> None:
+    # Capture attributes rows through the V1 runner's input_batch. Model Runner V2 (default for
+    # some models from 0.24, for all from 0.32 on GPU) has none; pin V1 before any config exists.
+    v = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if v not in (None, "", "0", "false", "False"):
+        raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER is set to %r; hidden-state capture needs the V1 "
+                           "model runner. Unset it (speculators_compat pins 0)." % v)
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+class ExtractionEngine:
+    """Owns one vLLM EngineCore with our capture extension."""
+
+    def __init__(self, opts: EngineOptions, layer_ids: Sequence[int]):
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.executor.abstract import Executor
+
+        from . import facts as facts_mod
+
+        self.opts = opts
+        self.layer_ids = list(layer_ids)
+        self.facts = facts_mod.probe()
+        t0 = time.time()
+        self.vllm_config = build_vllm_config(opts)
+        executor_class = Executor.get_class(self.vllm_config)
+        self.core = EngineCore(self.vllm_config, executor_class, log_stats=False)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._uid = uuid.uuid4().hex[:8]
+        self._calls = 0
+        # Does collective_rpc(unique_reply_rank=0) hand back the value (0.12+) or a 1-list (0.11)?
+        # Probe the behaviour instead of trusting a version number.
+        probe = self.executor.collective_rpc("compat_ping", unique_reply_rank=0)
+        self._rpc_unwrap = isinstance(probe, list)
+        infos = self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids,))
+        self.model_info = infos[0]
+        if not any(i.get("capturing") for i in infos):
+            raise RuntimeError("speculators_compat: no worker rank captures hidden states")
+        self.startup_seconds = time.time() - t0
+        logger.info("engine ready in %.1fs (%s, layers %s)", self.startup_seconds,
+                    self.model_info.get("model"), self.layer_ids)
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def executor(self):
+        return self.core.model_executor
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.vllm_config.model_config.max_model_len)
+
+    def _rpc_rank0(self, method: str, *args):
+        out = self.executor.collective_rpc(method, args=args, unique_reply_rank=0)
+        return out[0] if self._rpc_unwrap else out
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, prompts: Sequence[Sequence[int]]) -> list[list[Any]]:
+        """Hidden states for each prompt: ``result[i][j]`` is [len(prompts[i]), hidden] for layer j."""
+        if self._closed:
+            raise RuntimeError("engine was shut down")
+        with self._lock:
+            return self._run(prompts)
+
+    def _run(self, prompts):
+        max_len = self.max_model_len - 1  # room for the one sampled token
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) > max_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; at most max_model_len - 1 = {max_len} fit")
+        self._calls += 1
+        ids = [f"sc-{self._uid}-{self._calls}-{i}" for i in range(len(prompts))]
+        self.executor.collective_rpc("compat_capture_expect", args=({r: len(p) for r, p in zip(ids, prompts)},))
+        try:
+            for rid, p in zip(ids, prompts):
+                self.core.add_request(self._make_request(rid, list(p)))
+            self._drive()
+            taken = self._rpc_rank0("compat_capture_take", ids)
+        except BaseException:
+            self._abandon(ids)
+            raise
+        errors = taken["errors"]
+        if errors:
+            detail = "; ".join(f"prompt {ids.index(r)}: {m}" for r, m in list(errors.items())[:5])
+            raise CaptureError(f"{len(errors)} of {len(ids)} prompts were not fully captured: {detail}")
+        return [taken["states"][r] for r in ids]
+
+    def _drive(self) -> None:
+        core = self.core
+        step = core.step_fn
+        sched = core.scheduler
+        has_work = getattr(sched, "has_requests", None) or sched.has_unfinished_requests
+        idle = 0
+        while has_work() or (getattr(core, "batch_queue", None) or ()):
+            _, executed = step()
+            idle = 0 if executed else idle + 1
+            if idle > 200:
+                raise StallError(
+                    "the scheduler stopped scheduling with requests pending (200 steps without a "
+                    "forward): a prompt may not fit the KV cache; lower the batch or raise memory")
+
+    def _abandon(self, ids: list[str]) -> None:
+        try:
+            self.core.abort_requests(ids)
+            self.executor.collective_rpc("compat_capture_take", args=(ids,))
+        except Exception as e:  # the engine may be dead already; report, don't mask the real error
+            logger.warning("could not clean up requests after a failure: %s", e)
+
+    def _make_request(self, rid: str, prompt: list[int]):
+        from vllm.sampling_params import SamplingParams
+
+        from ..patches.vllm_request import build_request
+
+        sp = SamplingParams(max_tokens=1, temperature=0.0)
+        return build_request(rid, prompt, sp, block_hasher=self.core.request_block_hasher)
+
+    # ------------------------------------------------------------------ lifecycle
+    def stats(self) -> dict:
+        return self._rpc_rank0("compat_capture_stats")
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            self.core.shutdown()
+        except Exception as e:
+            if not sys.is_finalizing():  # at interpreter exit vLLM's own loggers may be gone
+                logger.warning("engine shutdown raised: %s", e)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        self.shutdown()

@@ -1,0 +1,77 @@
+"""What the installed vLLM is like, decided once, by probing its code (not by version ranges).
+
+Each fact names the internal it is about; ``speculators_compat.status()`` reports them, and the
+engine loop reads them instead of branching on version numbers.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+
+@dataclass(frozen=True)
+class VllmFacts:
+    version: str
+    #: ``Request.__init__`` still takes ``eos_token_id`` (removed in 0.17).
+    request_takes_eos: bool
+    #: ``Request.__init__`` takes ``block_hasher`` (0.11+).
+    request_takes_block_hasher: bool
+    #: the executor has the second phase ``sample_tokens`` (0.12+): execute_model returns None.
+    two_phase: bool
+    #: EngineCore drives the two phases and the async batch queue itself (``step_fn``).
+    engine_core_step_fn: bool
+    #: Model Runner V2 exists; we pin the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
+    has_v2_runner: bool
+    #: ``SchedulerConfig`` needs ``is_encoder_decoder`` (0.12+) — handled by EngineArgs for us.
+    scheduler_config_needs_is_encoder_decoder: bool
+    #: ``Scheduler.__init__`` takes ``block_size`` (0.12+) / ``hash_block_size`` (0.20+).
+    scheduler_takes_block_size: bool
+    scheduler_takes_hash_block_size: bool
+    #: base models expose ``embed_input_ids`` (0.12+) instead of ``get_input_embeddings``.
+    embed_input_ids: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _params(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+@lru_cache(maxsize=1)
+def probe() -> VllmFacts:
+    """Inspect the installed vLLM (imports it)."""
+    import importlib.util
+
+    import vllm
+    from vllm.config import SchedulerConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.request import Request
+
+    req = _params(Request.__init__)
+    sched = _params(Scheduler.__init__)
+    fields = getattr(SchedulerConfig, "__dataclass_fields__", {})
+    try:
+        from vllm.model_executor.models.llama import LlamaModel
+
+        embed = hasattr(LlamaModel, "embed_input_ids")
+    except ImportError:  # pragma: no cover
+        embed = False
+    return VllmFacts(
+        version=str(vllm.__version__),
+        request_takes_eos="eos_token_id" in req,
+        request_takes_block_hasher="block_hasher" in req,
+        two_phase=hasattr(Executor, "sample_tokens"),
+        engine_core_step_fn="step_with_batch_queue" in dir(EngineCore),
+        has_v2_runner=importlib.util.find_spec("vllm.v1.worker.gpu.model_runner") is not None,
+        scheduler_config_needs_is_encoder_decoder="is_encoder_decoder" in fields,
+        scheduler_takes_block_size="block_size" in sched,
+        scheduler_takes_hash_block_size="hash_block_size" in sched,
+        embed_input_ids=embed,
+    )

@@ -1,0 +1,134 @@
+"""speculators 0.3.0 ``VllmHiddenStatesGenerator``: delegate to our engine loop.
+
+Upstream builds SchedulerConfig/CacheConfig/KV cache/Scheduler by hand and slices captured rows
+by offset. On vLLM 0.12+ that crashes nine ways in sequence (API_MATRIX B1-B9), and even on 0.11 a
+batch spanning two scheduler steps comes back with states swapped between requests. Fixing each
+call site would keep the offset slicing; instead the class's ``__init__``, ``_create_vllm_config``,
+``generate`` and ``__del__`` run our engine loop, which keeps upstream's contract:
+  * same constructor arguments and validation messages; ``trust_remote_code=True``, ``dtype="auto"``,
+    ``max_num_seqs=32``, ``max_num_batched_tokens=max(8192, max_model_len)`` as upstream;
+  * ``generate`` returns input-order dicts ``input_ids``/``hidden_states``/``loss_mask=None``,
+    truncating to ``max_model_len - 1`` as upstream;
+  * ``hidden_states`` in ascending layer order with duplicates collapsed (upstream captured in
+    forward order through a frozenset);
+  * ``self.vllm_config``, ``self.executor``, ``self.scheduler`` and ``self.tokenizer`` exist.
+"""
+from __future__ import annotations
+
+import logging
+
+from ..registry import Patch
+
+logger = logging.getLogger("speculators_compat")
+
+
+def _init(self, model_path, layer_ids=None, max_model_len=2048, gpu_memory_utilization=0.8,
+          tensor_parallel_size=1):
+    from transformers import AutoTokenizer
+
+    from ..engine.core import ExtractionEngine
+    from ..generator import default_layer_ids, read_num_layers
+
+    self.model_path = model_path
+    self.tensor_parallel_size = tensor_parallel_size
+    self._request_counter = 0
+    self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+    num_layers = read_num_layers(model_path, trust_remote_code=True)
+    self.layer_ids = default_layer_ids(num_layers) if layer_ids is None else layer_ids
+    for layer_id in self.layer_ids:
+        if layer_id < 0 or layer_id >= num_layers:
+            raise ValueError(f"Layer index {layer_id} out of bounds [0, {num_layers - 1}]")
+    opts = _upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size)
+    self._compat_capture_ids = sorted(set(self.layer_ids))
+    self._compat_engine = ExtractionEngine(opts, self._compat_capture_ids)
+    self.vllm_config = self._compat_engine.vllm_config
+    self.executor = self._compat_engine.executor
+    self.scheduler = self._compat_engine.scheduler
+
+
+def _upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size):
+    from ..engine.core import EngineOptions
+    from ..generator import UPSTREAM_MAX_NUM_SEQS, UPSTREAM_MIN_BATCHED_TOKENS
+
+    return EngineOptions(
+        model=model_path, tokenizer=model_path, trust_remote_code=True, dtype="auto",
+        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size, max_num_seqs=UPSTREAM_MAX_NUM_SEQS,
+        max_num_batched_tokens=max(UPSTREAM_MIN_BATCHED_TOKENS, max_model_len))
+
+
+def _create_vllm_config(self, model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size):
+    from ..engine.core import build_vllm_config
+
+    return build_vllm_config(_upstream_options(model_path, max_model_len, gpu_memory_utilization,
+                                               tensor_parallel_size))
+
+
+def _generate(self, token_ids):
+    import torch
+
+    if isinstance(token_ids, torch.Tensor):
+        input_ids_list = token_ids.tolist()
+    else:
+        if not token_ids:
+            raise ValueError("token_ids cannot be empty")
+        input_ids_list = [ids.tolist() if isinstance(ids, torch.Tensor) else list(ids) for ids in token_ids]
+    max_len = self.vllm_config.model_config.max_model_len - 1
+    long = [i for i, ids in enumerate(input_ids_list) if len(ids) > max_len]
+    if long:
+        logger.warning("speculators_compat: truncating %d sequence(s) to max_model_len - 1 = %d tokens "
+                       "(upstream behaviour): indices %s", len(long), max_len, long[:10])
+    input_ids_list = [ids[:max_len] for ids in input_ids_list]
+    self._request_counter += 1
+    states = self._compat_engine.run(input_ids_list)
+    # upstream returned layers in forward (ascending) order, duplicates collapsed
+    return [{"input_ids": torch.as_tensor(ids, dtype=torch.long), "hidden_states": layers, "loss_mask": None}
+            for ids, layers in zip(input_ids_list, states)]
+
+
+def _del(self):
+    eng = self.__dict__.get("_compat_engine")
+    if eng is not None:
+        eng.shutdown()
+
+
+_REPLACEMENTS = {"__init__": _init, "_create_vllm_config": _create_vllm_config,
+                 "generate": _generate, "__del__": _del}
+
+
+class SpeculatorsGeneratorPatch(Patch):
+    name = "speculators_generator"
+    module = "speculators.data_generation.vllm_hidden_states_generator"
+    targets = tuple(f"speculators.data_generation.vllm_hidden_states_generator:VllmHiddenStatesGenerator.{m}"
+                    for m in _REPLACEMENTS)
+    package = "speculators"
+    versions = "==0.3.0"
+    process = "driver"
+    risk = ("low on the speculators side (pinned 0.3.0); every vLLM internal it needs is reached "
+            "through speculators_compat.engine (EngineArgs, EngineCore, collective_rpc)")
+    description = ("upstream drives vLLM internals by hand: crashes from 0.12 (B1-B9) and "
+                   "misattributes rows of multi-step batches in every version: run our engine loop")
+    test = ("tests/engine/test_baseline_upstream.py (fails without), "
+            "tests/engine/test_upstream_patched.py (correct with)")
+
+    def needed(self, module):
+        cls = module.VllmHiddenStatesGenerator
+        missing = [m for m in _REPLACEMENTS if m not in vars(cls)]
+        if missing:
+            from ..registry import PatchTargetError
+
+            raise PatchTargetError(f"patch {self.name}: VllmHiddenStatesGenerator lacks {missing}")
+        return "upstream's hand-driven engine loop is broken on vLLM >= 0.12 and misattributes rows"
+
+    def _apply(self, module):
+        cls = module.VllmHiddenStatesGenerator
+        for attr, fn in _REPLACEMENTS.items():
+            self.wrap(cls, attr, _replacement(fn))
+
+
+def _replacement(fn):
+    def wrapper(wrapped, instance, args, kwargs):
+        return fn(instance, *args, **kwargs)
+
+    wrapper.__name__ = fn.__name__
+    return wrapper

@@ -1,0 +1,151 @@
+"""vLLM ``Request`` construction, for any hand-built engine loop (upstream's, ours, a user's).
+
+Two breaks, two patches:
+
+* ``vllm_request_eos`` (vLLM 0.17+): ``Request.__init__`` lost ``eos_token_id``; passing it raises
+  TypeError. The wrapper drops it and records it on the sampling params instead
+  (``SamplingParams.update_from_generation_config({}, eos_token_id=...)``), where 0.17+ reads it.
+* ``vllm_request_block_hasher`` (vLLM 0.12+): prefix caching is on by default, and a Request built
+  without ``block_hasher`` then crashes the scheduler (AssertionError in ``cache_full_blocks``,
+  IndexError from 0.28). The wrapper records every Scheduler whose KV-cache manager caches
+  prefixes, and supplies the matching block hasher to Requests built without one. Our own engine
+  turns prefix caching off (a cache hit skips computing, so nothing would be captured); this keeps
+  other hand-built loops alive.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from typing import Any
+
+from ..registry import Patch
+
+logger = logging.getLogger("speculators_compat")
+
+
+def _request_params(Request) -> set[str]:
+    init = getattr(Request.__init__, "__wrapped__", Request.__init__)
+    return set(inspect.signature(init).parameters)
+
+
+def build_request(request_id: str, prompt: list[int], sampling_params, *, block_hasher=None,
+                  eos_token_id: int | None = None):
+    """A ``vllm.v1.request.Request`` for any vLLM 0.11 -> 0.32 (signature-aware, no patch needed)."""
+    from vllm.v1.request import Request
+
+    params = _request_params(Request)
+    kw: dict[str, Any] = dict(request_id=request_id, prompt_token_ids=prompt,
+                              sampling_params=sampling_params, pooling_params=None, arrival_time=0.0)
+    if "eos_token_id" in params:
+        kw["eos_token_id"] = eos_token_id
+    elif eos_token_id is not None:
+        _set_eos(sampling_params, eos_token_id)
+    if block_hasher is not None:
+        kw["block_hasher"] = block_hasher
+    if "mm_features" in params:
+        kw["mm_features"] = None
+    return Request(**kw)
+
+
+def _set_eos(sampling_params, eos: int) -> None:
+    if sampling_params is None or getattr(sampling_params, "ignore_eos", False):
+        return
+    upd = getattr(sampling_params, "update_from_generation_config", None)
+    if upd is not None and "eos_token_id" in inspect.signature(upd).parameters:
+        upd({}, eos_token_id=eos)
+
+
+# Schedulers that cache prefixes, and the (hash block size, hash algorithm) each needs.
+_caching_schedulers: "weakref.WeakKeyDictionary[Any, tuple[int, str]]" = weakref.WeakKeyDictionary()
+_hasher_cache: dict[tuple[int, str], Any] = {}
+
+
+def _hasher_for(block_size: int, algo: str):
+    key = (block_size, algo)
+    if key not in _hasher_cache:
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        try:
+            from vllm.utils.hashing import get_hash_fn_by_name  # 0.12+
+        except ImportError:
+            from vllm.utils import get_hash_fn_by_name  # 0.11
+        fn = get_hash_fn_by_name(algo)
+        init_none_hash(fn)
+        _hasher_cache[key] = get_request_block_hasher(block_size, fn)
+    return _hasher_cache[key]
+
+
+def active_block_hasher():
+    """The block hasher the most recently built prefix-caching scheduler needs, or None."""
+    items = list(_caching_schedulers.values())
+    if not items:
+        return None
+    if len(set(items)) > 1:
+        logger.warning("speculators_compat: several prefix-caching schedulers with different block "
+                       "sizes are alive; supplying the newest one's block hasher")
+    return _hasher_for(*items[-1])
+
+
+class RequestPatch(Patch):
+    name = "vllm_request"
+    module = "vllm.v1.core.sched.scheduler"
+    targets = ("vllm.v1.request:Request.__init__", "vllm.v1.core.sched.scheduler:Scheduler.__init__")
+    package = "vllm"
+    versions = ">=0.12"
+    process = "driver"
+    risk = ("medium: reads Scheduler.kv_cache_manager.enable_caching, hash_block_size/block_size and "
+            "calls get_request_block_hasher(block_size, hash_fn); Request gained only optional "
+            "parameters since 0.17")
+    description = ("0.12+: supply the block hasher a prefix-caching scheduler needs to Requests built "
+                   "without one (else AssertionError/IndexError in cache_full_blocks); 0.17+: drop "
+                   "Request(eos_token_id=) (TypeError) and set it on the sampling params instead")
+    test = ("tests/engine/test_patches_engine.py::test_request_patch_block_hasher, "
+            "tests/engine/test_patches_engine.py::test_request_patch_eos")
+
+    def needed(self, module):
+        from vllm.v1.request import Request
+
+        params = _request_params(Request)
+        parts = []
+        if "block_hasher" in params:
+            parts.append("Request(block_hasher=None) crashes a prefix-caching scheduler")
+        if "eos_token_id" not in params:
+            parts.append("Request has no eos_token_id parameter")
+        return "; ".join(parts) or None
+
+    def _apply(self, module):
+        from vllm.v1 import request as request_mod
+
+        params = _request_params(request_mod.Request)
+        drop_eos = "eos_token_id" not in params
+        supply_hasher = "block_hasher" in params
+
+        def sched_init(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
+            mgr = getattr(instance, "kv_cache_manager", None)
+            if getattr(mgr, "enable_caching", False):
+                bs = getattr(instance, "hash_block_size", None) or getattr(instance, "block_size", None)
+                if bs is None:
+                    bs = instance.cache_config.block_size
+                algo = getattr(instance.cache_config, "prefix_caching_hash_algo", "sha256")
+                _caching_schedulers[instance] = (int(bs), algo)
+            return result
+
+        def req_init(wrapped, instance, args, kwargs):
+            if drop_eos and "eos_token_id" in kwargs:
+                eos = kwargs.pop("eos_token_id")
+                if eos is not None:
+                    _set_eos(kwargs.get("sampling_params", args[2] if len(args) > 2 else None), eos)
+            if supply_hasher and kwargs.get("block_hasher") is None:
+                hasher = active_block_hasher()
+                if hasher is not None:
+                    kwargs["block_hasher"] = hasher
+            return wrapped(*args, **kwargs)
+
+        self.wrap(module.Scheduler, "__init__", sched_init)
+        self.wrap(request_mod.Request, "__init__", req_init)
+
+    def _revert(self, module):
+        self._unwrap_all()
+        _caching_schedulers.clear()

@@ -1,0 +1,48 @@
+"""``speculators_compat.status()`` and the text ``speculators-compat doctor`` prints."""
+from __future__ import annotations
+
+
+from . import hooks, versions
+
+
+def build_status(probe_engine: bool = False) -> dict:
+    from .registry import all_patches
+
+    st = {
+        "speculators_compat": __import__("speculators_compat").__version__,
+        "enabled": hooks.enabled(),
+        "disabled_by_env": hooks.disabled_by_env(),
+        "versions": versions.report(),
+        "vllm_tested_range": str(versions.TESTED_VLLM),
+        "vllm_tested": versions.vllm_is_tested(),
+        "patches": [p.report() for p in all_patches()],
+    }
+    if probe_engine:
+        try:
+            from .engine import facts
+
+            st["vllm_facts"] = facts.probe().as_dict()
+        except ImportError as e:
+            st["vllm_facts"] = {"error": f"vLLM not importable: {e}"}
+    return st
+
+
+def format_status(st: dict) -> str:
+    lines = [f"speculators-compat {st['speculators_compat']}  "
+             f"({'enabled' if st['enabled'] else 'DISABLED'}{' by SPECULATORS_COMPAT_DISABLE' if st['disabled_by_env'] else ''})"]
+    for k, v in st["versions"].items():
+        lines.append(f"  {k:<13} {v or 'not installed'}")
+    tested = st["vllm_tested"]
+    lines.append(f"  vLLM tested range {st['vllm_tested_range']}: "
+                 + {True: "yes", False: "NO (untested: only feature-probed patches apply)", None: "n/a"}[tested])
+    lines.append("")
+    lines.append(f"  {'patch':<30} {'applies':<8} {'applied':<8} reason")
+    for p in st["patches"]:
+        a = {None: "?", True: "yes", False: "no"}[p["applies"]]
+        lines.append(f"  {p['name']:<30} {a:<8} {'yes' if p['applied'] else 'no':<8} {p['reason']}")
+    if "vllm_facts" in st:
+        lines.append("")
+        lines.append("  vLLM facts (probed):")
+        for k, v in st["vllm_facts"].items():
+            lines.append(f"    {k:<44} {v}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Test toolkit shipped with the package: tiny local models and the HF transformers reference."""

@@ -1,0 +1,114 @@
+"""Tiny random-weight models and tokenizers, built locally and deterministically (no hub).
+
+``build("llama")`` returns a directory with config.json, model.safetensors and a tokenizer, under
+``$SPECULATORS_COMPAT_CACHE/models`` (default ``~/.cache/speculators-compat/models``), built once
+and reused. Head size 32 (vLLM's CPU attention rejects 16).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+VOCAB = 1024
+CACHE = Path(os.environ.get("SPECULATORS_COMPAT_CACHE", Path.home() / ".cache" / "speculators-compat"))
+SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+               rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+               pad_token_id=3, initializer_range=0.1)
+
+SPECS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, rope_theta=10000.0)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, rope_theta=10000.0)),
+    # DeepSeek-V3 architecture (MLA + MoE), the one Kimi-K2 checkpoints declare.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        _COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
+        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", rope_theta=10000.0,
+        rope_scaling=None)),
+}
+# A ~100M-parameter Llama for benchmarks (8 layers, hidden 1024).
+SPECS["llama-100m"] = ("LlamaConfig", "LlamaForCausalLM", dict(
+    _COMMON, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+    num_key_value_heads=8, rope_theta=10000.0))
+
+
+def _key(name: str) -> str:
+    import transformers
+
+    major = transformers.__version__.split(".")[0]
+    spec = json.dumps(SPECS[name], sort_keys=True, default=str)
+    return f"{name}-tf{major}-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
+
+
+def build(name: str, root: Path | None = None) -> Path:
+    """Path of the tiny model ``name`` (llama, qwen2, deepseek_v3, llama-100m), building it once."""
+    if name not in SPECS:
+        raise KeyError(f"unknown tiny model {name!r}; choose from {sorted(SPECS)}")
+    root = Path(root or CACHE / "models")
+    out = root / _key(name)
+    if (out / ".complete").exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        _build_into(name, tmp)
+        (tmp / ".complete").write_text("ok\n")
+        if out.exists():
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _build_into(name: str, d: Path) -> None:
+    import torch
+    import transformers
+
+    cfg_cls, model_cls, kw = SPECS[name]
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    torch.manual_seed(1234)
+    model = getattr(transformers, model_cls)(cfg).to(torch.float32)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(4321)
+        for pname, p in sorted(model.named_parameters()):
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif "norm" in pname or "layernorm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.zero_()
+    model.save_pretrained(d, safe_serialization=True)
+    save_tokenizer(d)
+
+
+def save_tokenizer(d: Path) -> None:
+    """A word-level tokenizer over ``t4``..``t1023`` plus specials (eos ``</s>`` = 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIAL), VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(d)
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    """Deterministic prompts of the given lengths, avoiding special ids."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(len(SPECIAL), vocab) for _ in range(n)] for n in lengths]
