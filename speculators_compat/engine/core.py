@@ -35,6 +35,15 @@ ASYNC_ENV = "SPECULATORS_COMPAT_ASYNC"
 ASYNC_CHOICES = ("disable", "keep")
 
 
+def _params(fn) -> set:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 class CaptureError(RuntimeError):
     """Captured hidden states failed a correctness check (coverage, NaN/Inf, shape)."""
 
@@ -88,6 +97,9 @@ def build_vllm_config(opts: EngineOptions):
         tensor_parallel_size=opts.tensor_parallel_size,
         gpu_memory_utilization=opts.gpu_memory_utilization,
         worker_extension_cls=WORKER_EXTENSION,
+        # Worker processes (as upstream's MultiprocExecutor): the same path for TP=1 and TP>1, and
+        # a worker crash cannot take the driver down. (0.12-0.17 would pick in-process "uni".)
+        distributed_executor_backend="mp",
         # A prefix-cache hit skips computing the cached positions: they would never be captured.
         enable_prefix_caching=False,
         seed=opts.seed,
@@ -143,7 +155,8 @@ class ExtractionEngine:
         self._calls = 0
         # Does collective_rpc(unique_reply_rank=0) hand back the value (0.12+) or a 1-list (0.11)?
         # Probe the behaviour instead of trusting a version number.
-        probe = self.executor.collective_rpc("compat_ping", unique_reply_rank=0)
+        self._rpc_takes_rank = "unique_reply_rank" in _params(self.executor.collective_rpc)
+        probe = self._rpc_rank0_raw("compat_ping")
         self._rpc_unwrap = isinstance(probe, list)
         infos = self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids,))
         self.model_info = infos[0]
@@ -166,8 +179,13 @@ class ExtractionEngine:
     def max_model_len(self) -> int:
         return int(self.vllm_config.model_config.max_model_len)
 
+    def _rpc_rank0_raw(self, method: str, *args):
+        if self._rpc_takes_rank:
+            return self.executor.collective_rpc(method, args=args, unique_reply_rank=0)
+        return self.executor.collective_rpc(method, args=args)
+
     def _rpc_rank0(self, method: str, *args):
-        out = self.executor.collective_rpc(method, args=args, unique_reply_rank=0)
+        out = self._rpc_rank0_raw(method, *args)
         return out[0] if self._rpc_unwrap else out
 
     # ------------------------------------------------------------------ the loop

@@ -42,11 +42,18 @@ def _params(fn) -> set[str]:
         return set()
 
 
+def _module_exists(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 @lru_cache(maxsize=1)
 def probe() -> VllmFacts:
     """Inspect the installed vLLM (imports it)."""
-    import importlib.util
-
     import vllm
     from vllm.config import SchedulerConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -69,7 +76,7 @@ def probe() -> VllmFacts:
         request_takes_block_hasher="block_hasher" in req,
         two_phase=hasattr(Executor, "sample_tokens"),
         engine_core_step_fn="step_with_batch_queue" in dir(EngineCore),
-        has_v2_runner=importlib.util.find_spec("vllm.v1.worker.gpu.model_runner") is not None,
+        has_v2_runner=_module_exists("vllm.v1.worker.gpu.model_runner"),
         scheduler_config_needs_is_encoder_decoder="is_encoder_decoder" in fields,
         scheduler_takes_block_size="block_size" in sched,
         scheduler_takes_hash_block_size="hash_block_size" in sched,
