@@ -76,6 +76,8 @@ class EngineOptions:
     async_scheduling: str | None = None  # "disable" | "keep" (None: $SPECULATORS_COMPAT_ASYNC or disable)
     seed: int = 0
     enforce_eager: bool = True
+    #: "fork" | "spawn" | None (vLLM's choice: CPU forces spawn; GPU forks unless CUDA is initialised)
+    worker_start_method: str | None = None
     engine_kwargs: dict = field(default_factory=dict)  # passed through to EngineArgs
 
 
@@ -147,6 +149,11 @@ class ExtractionEngine:
         self.facts = facts_mod.probe()
         t0 = time.time()
         self.vllm_config = build_vllm_config(opts)
+        if opts.worker_start_method is not None:
+            if opts.worker_start_method not in ("fork", "spawn"):
+                raise ValueError(f"worker_start_method must be 'fork' or 'spawn', not {opts.worker_start_method!r}")
+            # config creation may have forced it (the CPU platform sets spawn); ours wins
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = opts.worker_start_method
         executor_class = Executor.get_class(self.vllm_config)
         self.core = EngineCore(self.vllm_config, executor_class, log_stats=False)
         self._closed = False

@@ -1,0 +1,85 @@
+"""``speculators-compat``: doctor / demo / extract / plan.
+
+vLLM and torch are imported only by the sub-commands that need them, so ``--help`` and ``doctor``
+work anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def _doctor(args) -> int:
+    import speculators_compat
+
+    if args.probe:
+        # import the targets so the report says what applied, not only what would
+        for mod in ("vllm.v1.core.sched.scheduler", "speculators.data_generation.vllm_hidden_states_generator"):
+            try:
+                __import__(mod)
+            except Exception as e:  # report, keep going: doctor must print even on a broken stack
+                print(f"note: importing {mod} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    from .status import build_status, format_status
+
+    st = build_status(probe_engine=args.probe)
+    print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
+    return 0 if speculators_compat.status()["enabled"] or st["disabled_by_env"] else 1
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(model=args.model, versions_only=False)
+
+
+def _extract(args) -> int:
+    from .pipeline.extract import main_extract
+
+    return main_extract(args)
+
+
+def _plan(args) -> int:
+    from .pipeline.plan import main_plan
+
+    return main_plan(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="speculators-compat", description=__doc__)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("doctor", help="installed versions and what each patch did")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--probe", action="store_true", help="import vLLM/speculators and probe vLLM's internals")
+    d.set_defaults(fn=_doctor)
+
+    m = sub.add_parser("demo", help="extract on a built-in tiny model and compare with HF transformers")
+    m.add_argument("--model", default="llama", help="tiny model: llama, qwen2, deepseek_v3")
+    m.set_defaults(fn=_demo)
+
+    from .pipeline.options import add_extract_args, add_plan_args
+
+    e = sub.add_parser("extract", help="extract hidden states for a dataset (JSONL or speculators dir)")
+    add_extract_args(e)
+    e.set_defaults(fn=_extract)
+
+    p = sub.add_parser("plan", help="dry run: memory, tokens per step and disk, from config.json only")
+    add_plan_args(p)
+    p.set_defaults(fn=_plan)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

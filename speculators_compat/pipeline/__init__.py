@@ -1,0 +1,1 @@
+"""Dataset -> batches -> engine -> writer, resumable; and the dry-run planner."""

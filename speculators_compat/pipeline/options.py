@@ -1,0 +1,53 @@
+"""Command-line options of ``extract`` and ``plan`` (shared)."""
+from __future__ import annotations
+
+import argparse
+
+
+def _layer_ids(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--layer-ids must be comma-separated integers, not {s!r}") from e
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model directory (or hub id, if reachable)")
+    p.add_argument("--layer-ids", type=_layer_ids, default=None,
+                   help="comma-separated decoder layer ids (default: upstream's [2, n//2, n-3, n-1])")
+    p.add_argument("--layer-id-convention", choices=("upstream", "eagle3"), default="upstream")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="needed for Kimi-K2.5 (its config/tokenizer classes ship inside the checkpoint)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+
+
+def add_extract_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--input", required=True, help="JSONL ({'input_ids': [...], 'loss_mask': [...]}) or a "
+                   "speculators-preprocessed dataset directory")
+    p.add_argument("--output", required=True, help="output directory (data_{i}.pt + manifest.json)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--format", choices=("pt", "safetensors"), default="pt")
+    p.add_argument("--async-scheduling", choices=("disable", "keep"), default=None)
+    p.add_argument("--on-overlength", choices=("truncate", "error", "skip"), default="truncate")
+    p.add_argument("--queue-size", type=int, default=2, help="batches waiting to be written (bounds memory)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--input", default=None, help="dataset, to size the output (optional)")
+    p.add_argument("--num-samples", type=int, default=None)
+    p.add_argument("--avg-tokens", type=float, default=None)
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory (default: detect, "
+                   "else 141 GiB H200)")
+    p.add_argument("--json", action="store_true")

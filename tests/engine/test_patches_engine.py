@@ -1,0 +1,208 @@
+"""Each patch, on the real engine: fails without it, works with it, on the versions it applies to."""
+import pytest
+from packaging.version import Version
+
+import speculators_compat
+from speculators_compat import registry
+from speculators_compat.testing import models
+from tests.helpers import run_snippet
+
+
+def _patch(name):
+    return next(p for p in registry.all_patches() if p.name == name)
+
+
+# ---------------------------------------------------------------- vllm_request (eos part, 0.17+)
+def test_request_patch_eos(vllm_version):
+    import vllm.v1.core.sched.scheduler  # noqa: F401  (the patch's trigger module)
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    def make():
+        return Request(request_id="r", prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=1),
+                       pooling_params=None, eos_token_id=2)
+
+    if vllm_version < Version("0.17"):
+        assert make().eos_token_id == 2  # native parameter: nothing to fix
+        return
+    speculators_compat.unpatch()
+    try:
+        with pytest.raises(TypeError, match="eos_token_id"):
+            make()
+    finally:
+        speculators_compat.patch()
+    assert _patch("vllm_request").is_applied()
+    r = make()
+    assert r.sampling_params.eos_token_id == 2
+
+
+# ---------------------------------------------------------------- vllm_request (block hasher, 0.12+)
+BLOCK_HASHER_SNIPPET = r'''
+import speculators_compat
+from speculators_compat.testing import models
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.request import Request
+path = str(models.build("llama"))
+cfg = EngineArgs(model=path, enforce_eager=True, enable_prefix_caching=True, max_model_len=1024,
+                 distributed_executor_backend="mp", dtype="float32").create_engine_config()
+core = EngineCore(cfg, Executor.get_class(cfg), log_stats=False)
+prompt = models.random_prompts([400], seed=1)[0]
+def hand_built(rid):  # what upstream / a user's hand-driven loop does: no block_hasher
+    kw = dict(request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
+              pooling_params=None)
+    import inspect
+    if "eos_token_id" in inspect.signature(Request.__init__).parameters:
+        kw["eos_token_id"] = 2
+    return Request(**kw)
+out = {}
+r = hand_built("with-patch")
+out["patched_has_hasher"] = bool(r.block_hashes)
+core.add_request(r)
+try:
+    while core.scheduler.has_requests():
+        core.step_fn()
+    out["patched"] = "ok"
+except Exception as e:
+    out["patched"] = f"{type(e).__name__}: {e}"
+speculators_compat.unpatch()
+r = hand_built("without-patch")
+core.add_request(r)
+try:
+    while core.scheduler.has_requests():
+        core.step_fn()
+    out["unpatched"] = "ok"
+except Exception as e:
+    out["unpatched"] = type(e).__name__
+emit(out)
+core.shutdown()
+'''
+
+
+def test_request_patch_block_hasher(vllm_version):
+    if vllm_version < Version("0.12"):
+        pytest.skip("0.11 has prefix caching off by default and Request needs no hasher")
+    result, log = run_snippet(BLOCK_HASHER_SNIPPET)
+    assert result is not None, log
+    assert result["patched"] == "ok" and result["patched_has_hasher"], result
+    # upstream's crash: AssertionError in cache_full_blocks (0.12-0.24), IndexError from 0.28
+    assert result["unpatched"] in ("AssertionError", "IndexError"), result
+
+
+# ---------------------------------------------------------------- speculators_worker_extension
+WORKER_SNIPPET = r'''
+import os
+import speculators_compat
+from speculators_compat.patches.vllm_request import build_request
+from speculators_compat.testing import models, reference
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.executor.abstract import Executor
+path = str(models.build("llama"))
+cfg = EngineArgs(model=path, enforce_eager=True, enable_prefix_caching=False, max_model_len=512,
+                 distributed_executor_backend="mp", dtype="float32",
+                 worker_extension_cls="speculators.data_generation.custom_worker.HiddenStatesWorkerExtension"
+                 ).create_engine_config()
+os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = METHOD
+try:
+    core = EngineCore(cfg, Executor.get_class(cfg), log_stats=False)
+    ex = core.model_executor
+    ex.collective_rpc("_setup_hidden_states_capture", args=([3, 1],))
+    prompts = models.random_prompts([100, 37], seed=3)
+    for i, p in enumerate(prompts):
+        core.add_request(build_request(f"r{i}", p, SamplingParams(max_tokens=1, temperature=0.0)))
+    while core.scheduler.has_requests():
+        core.step_fn()
+    states = ex.collective_rpc("_get_captured_states")[0]
+except Exception as e:
+    emit({"error": f"{type(e).__name__}: {e}"}); return
+ref = reference.HFReference(path, [1, 3])
+# upstream's contract: one tensor per layer (ascending), rows in execution order (one step here)
+split = [[t[:100], t[100:]] for t in states]
+worst, bad = reference.compare([[split[0][i], split[1][i]] for i in range(2)], prompts, ref, 1e-3)
+emit({"rows": [t.shape[0] for t in states], "worst": worst, "bad": len(bad)})
+core.shutdown()
+'''
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_upstream_worker_extension_patch(vllm_version, method):
+    snippet = WORKER_SNIPPET.replace("METHOD", repr(method))
+    result, log = run_snippet(snippet)
+    assert result is not None, log
+    assert "error" not in result, result
+    assert result["rows"] == [137, 137] and result["bad"] == 0, result
+
+
+def test_upstream_worker_extension_fails_without_the_plugin(vllm_version):
+    """Spawned workers start clean: without our plugin they run upstream's broken extension."""
+    if vllm_version < Version("0.12"):
+        pytest.skip("upstream's worker extension works on 0.11 with Llama")
+    snippet = WORKER_SNIPPET.replace("METHOD", "'spawn'")
+    result, log = run_snippet(snippet, env={"VLLM_PLUGINS": "none-allowed"})
+    assert result is not None, log
+    # 0.12-0.23: 'LlamaModel' object has no attribute 'get_input_embeddings';
+    # 0.24+ (transformers 5): the worker cannot even import speculators
+    assert "error" in result, result
+    assert ("get_input_embeddings" in result["error"] or "torch' is not defined" in result["error"]
+            or "Worker" in result["error"]), result
+
+
+# ---------------------------------------------------------------- transformers_config_torch
+def test_speculators_imports_under_transformers_5():
+    import transformers
+
+    if Version(transformers.__version__).major < 5:
+        pytest.skip("transformers 4.x: speculators imports natively")
+    snippet = r'''
+import importlib
+out = {}
+for disable in ("1", "0"):
+    pass
+try:
+    import speculators.data_generation.vllm_hidden_states_generator  # noqa
+    out["import"] = "ok"
+except Exception as e:
+    out["import"] = f"{type(e).__name__}: {e}"
+emit(out)
+'''
+    without, log = run_snippet("import speculators_compat\n" + snippet, env={"SPECULATORS_COMPAT_DISABLE": "1"})
+    assert without is not None, log
+    assert "name 'torch' is not defined" in without["import"]
+    with_, log = run_snippet("import speculators_compat\n" + snippet)
+    assert with_ == {"import": "ok"}, log
+
+
+# ---------------------------------------------------------------- registry on the real targets
+def test_real_patches_unpatch_restores_identity_and_repatch():
+    import vllm.v1.core.sched.scheduler as sched_mod
+    import vllm.v1.request as req_mod
+
+    speculators_compat.patch()
+    try:
+        import speculators.data_generation.vllm_hidden_states_generator as gen_mod
+    except ImportError:
+        gen_mod = None
+    p = _patch("vllm_request")
+    if not p.is_applied():
+        pytest.skip(f"vllm_request does not apply here: {p.state.reason}")
+    wrapped_init = req_mod.Request.__init__
+    assert registry.is_ours(wrapped_init) == "vllm_request"
+    original = wrapped_init.__wrapped__
+    gen_wrapped = gen_mod and vars(gen_mod.VllmHiddenStatesGenerator)["generate"]
+    speculators_compat.unpatch()
+    try:
+        assert req_mod.Request.__init__ is original
+        assert registry.is_ours(sched_mod.Scheduler.__init__) is None
+        if gen_mod:
+            assert vars(gen_mod.VllmHiddenStatesGenerator)["generate"] is gen_wrapped.__wrapped__
+        assert not any(x.is_applied() for x in registry.all_patches())
+    finally:
+        speculators_compat.patch()
+        speculators_compat.patch()  # twice: still one layer
+    assert req_mod.Request.__init__.__wrapped__ is original
+    st = speculators_compat.status()
+    assert {x["name"]: x["applied"] for x in st["patches"]}["vllm_request"] is True

@@ -1,0 +1,75 @@
+"""Unmodified speculators 0.3.0 + ``import speculators_compat``: every sequence and layer matches HF.
+
+The generator runs upstream's own settings (dtype="auto": bf16 on CPU for these float32
+checkpoints, so the bf16 tolerance applies; max_num_batched_tokens = max(8192, max_model_len)).
+"""
+import pytest
+
+import speculators_compat  # noqa: F401  (the user's one-line change)
+from speculators_compat.testing import models, reference
+
+LAYERS = [1, 3, 5]
+TOL = reference.TOLERANCE["bfloat16"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def upstream_gen(request):
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
+    path = str(models.build(request.param))
+    gen = VllmHiddenStatesGenerator(path, layer_ids=LAYERS, max_model_len=2048)
+    yield path, gen
+    gen.__del__()
+
+
+def _check(gen, path, prompts, hf_ref):
+    res = gen.generate(prompts)
+    assert len(res) == len(prompts)
+    for r, p in zip(res, prompts):  # input order
+        assert r["input_ids"].tolist() == p
+        assert r["loss_mask"] is None
+        assert len(r["hidden_states"]) == len(LAYERS)
+    worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, hf_ref(path, LAYERS), TOL)
+    assert not bad, f"worst rel err {worst}; mismatches: {bad[:5]}"
+    return worst
+
+
+MIXED = [5, 1000, 37, 120, 300, 17, 64, 8, 512, 50, 99, 10, 11, 200, 33, 7, 640, 25, 900, 45]
+
+
+@pytest.mark.parametrize("n", [1, 3, 13, 40])
+def test_batches_of_mixed_lengths(upstream_gen, hf_ref, n):
+    path, gen = upstream_gen
+    lengths = (MIXED * 2)[:n]
+    _check(gen, path, models.random_prompts(lengths, seed=n), hf_ref)
+
+
+def test_repeated_calls_and_repeated_prompts(upstream_gen, hf_ref):
+    path, gen = upstream_gen
+    prompts = models.random_prompts([64, 300, 64], seed=7)
+    prompts[2] = list(prompts[0])  # the same prompt twice in one batch
+    _check(gen, path, prompts, hf_ref)
+    _check(gen, path, prompts, hf_ref)  # and again: no prefix-cache leak between calls
+
+
+def test_shared_prefix_longer_than_a_block(upstream_gen, hf_ref):
+    path, gen = upstream_gen
+    prefix = models.random_prompts([300], seed=11)[0]
+    tails = models.random_prompts([5, 40, 77], seed=12)
+    _check(gen, path, [prefix + t for t in tails] + [prefix], hf_ref)
+
+
+def test_batch_larger_than_max_num_batched_tokens(upstream_gen, hf_ref):
+    # 11 x 900 = 9900 > 8192: two scheduler steps, one request split by chunked prefill (0.12+),
+    # and the second step's requests in the runner's order (0.11 swapped them).
+    path, gen = upstream_gen
+    _check(gen, path, models.random_prompts([900] * 11, seed=5), hf_ref)
+
+
+def test_overlong_sequence_is_truncated_like_upstream(upstream_gen, hf_ref):
+    path, gen = upstream_gen
+    long = models.random_prompts([2100], seed=3)[0]
+    res = gen.generate([long])
+    assert res[0]["input_ids"].tolist() == long[:2047]
+    worst, bad = reference.compare([res[0]["hidden_states"]], [long[:2047]], hf_ref(path, LAYERS), TOL)
+    assert not bad, bad
