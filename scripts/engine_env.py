@@ -2,6 +2,7 @@
 """Build (or reuse) an isolated Python environment that runs one vLLM version on CPU.
 
     python3 scripts/engine_env.py build 0.32.0 [0.16.0 ...]   # idempotent; prints what it did and timings
+    python3 scripts/engine_env.py build light                  # unit-test env: no torch, no vLLM
     python3 scripts/engine_env.py python 0.32.0               # prints the env's python path
     python3 scripts/engine_env.py list                        # versions built, sizes
 
@@ -206,6 +207,29 @@ def build(version: str, force: bool = False) -> dict:
             "versions": out.stdout.strip()}
 
 
+def build_light(force: bool = False) -> dict:
+    """A venv with only this package's runtime deps and the test tools: no torch, no vLLM."""
+    t0 = time.time()
+    d = ENVS / "light"
+    py = d / "bin" / "python"
+    stamp_file = d / ".speculators-compat-ready"
+    stamp = hashlib.sha256((RECIPE_VERSION + "light").encode()).hexdigest()[:16]
+    if force or not (stamp_file.exists() and stamp_file.read_text().strip() == stamp and py.exists()):
+        if d.exists():
+            shutil.rmtree(d)
+        ENVS.mkdir(parents=True, exist_ok=True)
+        run([uv(), "venv", "-q", "-p", sys.executable, str(d)])
+        run([uv(), "pip", "install", "-q", "-p", str(py), *TEST_DEPS])
+        stamp_file.write_text(stamp + "\n")
+        action = "built"
+    else:
+        action = "reused"
+    run([uv(), "pip", "install", "-q", "-p", str(py), "--no-deps", "-e", str(REPO)])
+    took = time.time() - t0
+    log(f"light env: {action} in {took:.1f}s ({d})")
+    return {"version": "light", "action": action, "seconds": round(took, 1), "path": str(d)}
+
+
 def du(path: Path) -> int:
     r = subprocess.run(["du", "-sb", str(path)], capture_output=True, text=True)
     return int(r.stdout.split()[0]) if r.returncode == 0 and r.stdout else 0
@@ -218,20 +242,21 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("versions", nargs="+")
     b.add_argument("--force", action="store_true")
     b.add_argument("--json", help="append one JSON line per version to this file")
-    p = sub.add_parser("python")
+    p = sub.add_parser("python", help="print the python of an env ('light' or a vLLM version)")
     p.add_argument("version")
     sub.add_parser("list")
     a = ap.parse_args(argv)
     if a.cmd == "build":
         for v in a.versions:
-            res = build(v, force=a.force)
+            res = build_light(force=a.force) if v == "light" else build(v, force=a.force)
             if a.json:
                 with open(a.json, "a") as f:
                     f.write(json.dumps(res) + "\n")
         return 0
     if a.cmd == "python":
-        print(env_python(a.version))
-        return 0 if env_python(a.version).exists() else 1
+        py = ENVS / "light" / "bin" / "python" if a.version == "light" else env_python(a.version)
+        print(py)
+        return 0 if py.exists() else 1
     for d in sorted(ENVS.glob("vllm-*")):
         print(f"{d.name}\t{du(d) / 2**30:.1f} GiB\t{'ready' if (d / '.speculators-compat-ready').exists() else 'incomplete'}")
     print(f"uv cache\t{du(UV_CACHE) / 2**30:.1f} GiB")

@@ -39,8 +39,10 @@ def read_num_layers(model_path: str, trust_remote_code: bool = False) -> int:
         text = cfg.get("text_config") or {}
         tget = text.get
     else:
-        if not os.path.exists(model_path) and "/" not in model_path:
-            raise FileNotFoundError(f"model path {model_path!r} does not exist")
+        looks_local = model_path.startswith(("/", "./", "../", "~")) or model_path.count("/") != 1
+        if looks_local or os.path.isdir(model_path):
+            what = "has no config.json" if os.path.isdir(model_path) else "does not exist"
+            raise FileNotFoundError(f"model path {model_path!r} {what}")
         from transformers import AutoConfig
 
         c = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)

@@ -11,9 +11,8 @@ from collections import deque
 
 import pytest
 
-pytest.importorskip("torch")
 
-from speculators_compat.engine.core import ExtractionEngine, StallError, resolve_async  # noqa: E402
+from speculators_compat.engine.core import ExtractionEngine, StallError, resolve_async
 
 
 class FakeAsyncCore:

@@ -28,7 +28,8 @@ SPECS = {
     # DeepSeek-V3 architecture (MLA + MoE), the one Kimi-K2 checkpoints declare.
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         _COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+        # vLLM MLA needs kv_lora_rank + qk_rope_head_dim in {320, 512, 576} (Kimi-K2.5: 512 + 64)
+        q_lora_rank=64, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", rope_theta=10000.0,

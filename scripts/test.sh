@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The project's test command (README; .ci/run calls it).
+#   1. unit tests in a light env (wrapt + packaging + pytest only: proves no torch/vLLM is needed);
+#   2. the real-engine matrix: for each vLLM version, build/reuse its CPU environment and run the
+#      whole suite (unit + engine) there, one engine at a time;
+#   3. a results table (version x check) and one closing "N passed, N failed, N skipped" line.
+# SPECULATORS_COMPAT_MATRIX overrides the versions; PYTEST_ARGS adds pytest arguments.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MATRIX="${SPECULATORS_COMPAT_MATRIX:-0.11.0 0.12.0 0.16.0 0.17.0 0.32.0}"
+RESULTS="${SPECULATORS_COMPAT_RESULTS:-results}"
+rm -rf "$RESULTS"; mkdir -p "$RESULTS"
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+t_all=$(date +%s)
+status=0
+
+python3 scripts/engine_env.py build light --json "$RESULTS/envs.jsonl" || exit 2
+LIGHT=$(python3 scripts/engine_env.py python light)
+echo "=== unit tests (light env: no torch, no vLLM)"
+t0=$(date +%s)
+"$LIGHT" -m pytest tests --ignore=tests/engine -q -p no:cacheprovider --junitxml="$RESULTS/junit-light.xml" \
+    ${PYTEST_ARGS:-} || status=1
+echo "light $(( $(date +%s) - t0 ))" >> "$RESULTS/times.txt"
+
+for v in $MATRIX; do
+  echo "=== vLLM $v"
+  t0=$(date +%s)
+  if ! python3 scripts/engine_env.py build "$v" --json "$RESULTS/envs.jsonl"; then
+    echo "environment for vLLM $v failed to build"; status=1; continue
+  fi
+  PY=$(python3 scripts/engine_env.py python "$v")
+  mark="not slow"; [ "$v" = "${MATRIX##* }" ] && mark=""   # slow cases (TP=2) in the last cell only
+  "$PY" -m pytest tests -q -p no:cacheprovider -m "$mark" --timeout 1200 \
+      --junitxml="$RESULTS/junit-$v.xml" ${PYTEST_ARGS:-} || status=1
+  echo "$v $(( $(date +%s) - t0 ))" >> "$RESULTS/times.txt"
+done
+
+python3 scripts/matrix_table.py "$RESULTS" | tee "$RESULTS/table.md" || status=1
+echo "total $(( $(date +%s) - t_all ))s; disk: $(du -sh "${SPECULATORS_COMPAT_CACHE:-$HOME/.cache/speculators-compat}" 2>/dev/null | cut -f1)"
+python3 scripts/matrix_table.py "$RESULTS" --summary-line
+exit $status

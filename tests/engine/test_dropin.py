@@ -1,0 +1,179 @@
+"""``speculators_compat.VllmHiddenStatesGenerator`` on the real engine, float32 (tolerance 1e-3).
+
+Stress settings: max_num_batched_tokens=128 (every long prompt is split by chunked prefill over
+many steps) and max_num_seqs=4 (batches of 13 and 40 span many steps, re-ordered by the runner).
+"""
+import pytest
+from packaging.version import Version
+
+from speculators_compat import VllmHiddenStatesGenerator
+from speculators_compat.engine.core import CaptureError
+from speculators_compat.testing import models, reference
+
+TOL = reference.TOLERANCE["float32"]
+LAYERS = [5, 0, 3]  # deliberately unsorted: results follow this order
+
+
+@pytest.fixture(scope="module")
+def gen(llama_path):
+    # async "keep": leave vLLM's choice (the CPU platform forces it off); "disable" is the default
+    # and covered by every other engine test.
+    g = VllmHiddenStatesGenerator(llama_path, layer_ids=LAYERS, max_model_len=2048, dtype="float32",
+                                  max_num_batched_tokens=128, max_num_seqs=4, async_scheduling="keep")
+    yield g
+    g.close()
+
+
+def check(gen, path, prompts, hf_ref, layers=LAYERS):
+    res = gen.generate(prompts)
+    assert [r["input_ids"].tolist() for r in res] == prompts
+    worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, hf_ref(path, layers), TOL)
+    assert not bad, f"worst {worst}: {bad[:5]}"
+    return res
+
+
+def test_async_keep_resolves_to_vllm_choice(gen):
+    # on CPU vLLM forces async scheduling off; the GPU branch is covered by the H200 run and the mock test
+    assert gen.vllm_config.scheduler_config.async_scheduling in (False, None)
+
+
+@pytest.mark.parametrize("n", [1, 13, 40])
+def test_chunked_and_reordered(gen, llama_path, hf_ref, n):
+    lengths = ([700, 5, 130, 37, 1500, 17, 64, 8, 256, 50, 99, 10, 11] * 4)[:n]
+    check(gen, llama_path, models.random_prompts(lengths, seed=100 + n), hf_ref)
+
+
+def test_repeat_call_same_results(gen, llama_path, hf_ref):
+    prompts = models.random_prompts([300, 12, 129], seed=9)
+    a = check(gen, llama_path, prompts, hf_ref)
+    b = check(gen, llama_path, prompts, hf_ref)
+    for ra, rb in zip(a, b):
+        for x, y in zip(ra["hidden_states"], rb["hidden_states"]):
+            assert (x - y).abs().max().item() <= 1e-5
+
+
+def test_layer_convention_against_hf(gen, llama_path):
+    """Upstream id L = output of decoder layer L before the final norm; the last layer (5) is NOT
+    HF's last hidden_states entry (that one is after the norm)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    p = models.random_prompts([40], seed=4)[0]
+    got = gen.generate([p])[0]["hidden_states"]
+    m = AutoModelForCausalLM.from_pretrained(llama_path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = m(torch.tensor([p]), output_hidden_states=True).hidden_states
+    n = m.config.num_hidden_layers
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
+    assert rel(got[1], hs[0 + 1][0]) < TOL  # layer 0 == HF hidden_states[1]
+    assert rel(got[2], hs[3 + 1][0]) < TOL  # layer 3 == HF hidden_states[4]
+    assert rel(got[0], hs[n][0]) > 0.05  # layer n-1: HF's last entry is post-norm, so it differs
+
+
+def test_eagle3_convention_maps_to_upstream(llama_path):
+    from speculators_compat.generator import normalize_layer_ids, read_num_layers
+
+    n = read_num_layers(llama_path)
+    assert normalize_layer_ids([1, 4, 6], n, "eagle3") == [0, 3, 5]
+
+
+def test_bad_inputs_leave_the_engine_usable(gen, llama_path, hf_ref):
+    with pytest.raises(ValueError, match="cannot be empty"):
+        gen.generate([])
+    with pytest.raises(ValueError, match="sequence 1 is empty"):
+        gen.generate([[5, 6], []])
+    with pytest.raises(TypeError, match="non-integer"):
+        gen.generate([[5, 6.0]])
+    strict = gen.on_overlength
+    gen.on_overlength = "error"
+    try:
+        with pytest.raises(ValueError, match="longer than max_model_len - 1 = 2047"):
+            gen.generate(models.random_prompts([2048], seed=1))
+    finally:
+        gen.on_overlength = strict
+    with pytest.raises(ValueError, match="at most max_model_len - 1"):
+        gen.engine.run(models.random_prompts([2048], seed=1))  # the engine's own guard
+    check(gen, llama_path, models.random_prompts([33], seed=2), hf_ref)
+
+
+def test_nan_hidden_states_are_caught(gen):
+    import torch
+
+    from speculators_compat.generator import _check_finite
+
+    good = torch.zeros(3, 4)
+    bad = good.clone()
+    bad[1, 2] = float("nan")
+    _check_finite(0, [good], [1])
+    with pytest.raises(CaptureError, match="sequence 7, layer 3: 1 token row"):
+        _check_finite(7, [good, bad], [1, 3])
+
+
+def test_bad_constructor_arguments(llama_path, tmp_path):
+    with pytest.raises(ValueError, match="out of bounds"):
+        VllmHiddenStatesGenerator(llama_path, layer_ids=[6])
+    with pytest.raises(ValueError, match="duplicate"):
+        VllmHiddenStatesGenerator(llama_path, layer_ids=[1, 1])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        VllmHiddenStatesGenerator(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="tensor_parallel_size=64"):
+        VllmHiddenStatesGenerator(llama_path, tensor_parallel_size=64)
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "llama"}')
+    with pytest.raises(ValueError, match="number of decoder layers"):
+        VllmHiddenStatesGenerator(str(tmp_path))
+
+
+def test_qwen2(qwen2_path, hf_ref):
+    with VllmHiddenStatesGenerator(qwen2_path, layer_ids=[0, 2, 5], max_model_len=1024, dtype="float32",
+                                   max_num_batched_tokens=256) as g:
+        check(g, qwen2_path, models.random_prompts([5, 400, 37, 700, 12], seed=21), hf_ref, layers=[0, 2, 5])
+
+
+DEEPSEEK_CPU_NOTE = (
+    "vLLM's CPU backend: 'MLA is not supported on CPU' before 0.2x; where it runs (0.32) its MLA "
+    "attention disagrees with HF DeepseekV3 beyond position 0 in every layer, dense layer 0 "
+    "included (rel. 0.2-0.8, not a capture error: position-0 rows match exactly)")
+
+
+def test_deepseek_v3_mla_moe(vllm_version, hf_ref):
+    """DeepSeek-V3 architecture (what Kimi-K2 declares): MLA + MoE decoder found and captured.
+
+    Position 0 attends only to itself, so its row is exact whatever the attention kernel does: it
+    proves the decoder stack was found and rows were attributed to the right request."""
+    path = str(models.build("deepseek_v3"))
+    try:
+        g = VllmHiddenStatesGenerator(path, layer_ids=[0, 1, 3], max_model_len=1024, dtype="float32")
+    except Exception as e:  # noqa: BLE001 - recorded, see DEEPSEEK_CPU_NOTE
+        if "MLA is not supported on CPU" in str(e) or "not supported" in str(e):
+            pytest.skip(f"vLLM {vllm_version} CPU: {e}")
+        raise
+    prompts = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11], seed=31)
+    with g:
+        res = g.generate(prompts)
+    ref = hf_ref(path, [0, 1, 3])
+    for r, p in zip(res, prompts):
+        assert r["input_ids"].tolist() == p
+        want = ref(p)
+        for got, w in zip(r["hidden_states"], want):
+            assert got.shape == w.shape
+            assert float((got[0].float() - w[0]).norm() / w[0].norm()) < TOL
+    worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, ref, TOL)
+    if bad:
+        pytest.xfail(f"{DEEPSEEK_CPU_NOTE}; measured worst {worst:.3f}")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2(llama_path, hf_ref, monkeypatch):
+    """TP=2 on two CPU workers (one core each). Tiny Llama: vLLM's CPU backend cannot run MLA here."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    with VllmHiddenStatesGenerator(llama_path, layer_ids=[1, 3, 5], max_model_len=1024, dtype="float32",
+                                   tensor_parallel_size=2, max_num_batched_tokens=256) as g:
+        check(g, llama_path, models.random_prompts([5, 400, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3], seed=41),
+              hf_ref, layers=[1, 3, 5])
+
+
+def test_version_floor(vllm_version):
+    assert vllm_version >= Version("0.11")
