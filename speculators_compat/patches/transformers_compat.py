@@ -67,7 +67,7 @@ def prepare_4d_causal_attention_mask(attention_mask, input_shape, inputs_embeds,
     k = torch.arange(kv_len, device=device)[None, :]
     allowed = k <= q
     if sliding_window is not None:
-        allowed &= k > q - sliding_window
+        allowed &= k >= q - sliding_window  # as transformers 4.x: the window plus the token itself
     mask = torch.zeros(q_len, kv_len, dtype=dtype, device=device).masked_fill(~allowed, min_val)
     mask = mask[None, None].expand(bsz, 1, q_len, kv_len).clone()
     if attention_mask is not None:

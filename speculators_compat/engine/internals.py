@@ -1,0 +1,40 @@
+"""Every vLLM internal the engine loop itself relies on (the patches declare theirs in the registry).
+
+``docs/inventory.md`` is generated from this list and the patch registry
+(``python scripts/gen_inventory.py``); a unit test keeps it current.
+"""
+INTERNALS = [
+    # (internal, what we use it for, checked versions, risk if it changes)
+    ("vllm.engine.arg_utils.EngineArgs(...).create_engine_config()",
+     "build the VllmConfig (fills is_encoder_decoder, block sizes, chunked-prefill budgets per version)",
+     "0.11-0.32 (every field we pass exists in all)", "low: vLLM's public config builder"),
+    ("vllm.v1.engine.core.EngineCore(vllm_config, executor_class, log_stats)",
+     "in-process engine core: executor, memory profiling, KV-cache sizing/init, warm-up, scheduler + block hasher",
+     "0.11-0.32 (same positional signature)", "medium: internal class, but the one LLMEngine uses in-process"),
+    ("EngineCore.add_request(Request) / step_fn / batch_queue / abort_requests / shutdown",
+     "drive prefill to completion (two-phase execute/sample, async batch queue)",
+     "0.11-0.32", "medium"),
+    ("vllm.v1.executor.abstract.Executor.get_class(vllm_config)", "pick the executor (we force backend 'mp')",
+     "0.11-0.32", "low"),
+    ("Executor.collective_rpc(method, args=, unique_reply_rank=)",
+     "call our worker extension; rank 0's reply (list in 0.11, value from 0.12: probed at start-up)",
+     "0.11-0.32 (UniProcExecutor lacks unique_reply_rank in 0.12-0.17: probed)", "medium"),
+    ("vllm.v1.request.Request(...)", "one max_tokens=1 request per prompt (signature-aware builder)",
+     "0.11-0.32 (eos_token_id gone in 0.17)", "medium: see patch vllm_request"),
+    ("ParallelConfig.worker_extension_cls", "mix our CaptureExtension into every worker", "0.11-0.32", "low"),
+    ("model_runner.model -> decoder stack with .layers (model.model, get_language_model(), language_model)",
+     "find the decoder layers to hook (Llama, Qwen2, DeepSeek-V3/Kimi-K2, Kimi-K2.5 0.15 and 0.16+ layouts)",
+     "0.11-0.32", "medium: new wrappers may nest differently (clear error)"),
+    ("decoder layer forward(positions, hidden_states, residual) -> (hidden_states, residual)",
+     "capture hidden_states + residual after layer L (forward hooks; the stack's own forward untouched)",
+     "0.11-0.32 (Llama, Qwen2, DeepseekV2 layers)", "medium"),
+    ("model_runner.execute_model(scheduler_output, ...)", "see each step's num_scheduled_tokens per request",
+     "0.11-0.32", "medium"),
+    ("model_runner.input_batch.req_ids / num_reqs / num_computed_tokens_cpu",
+     "order of requests in the flattened token batch (V1 runner)", "0.11-0.32 (V1 runner)",
+     "high: Model Runner V2 has none; we pin VLLM_USE_V2_MODEL_RUNNER=0 (default V2 from 0.24/0.32)"),
+    ("vllm.distributed.get_tp_group / get_pp_group", "capture on TP rank 0, last PP rank only",
+     "0.11-0.32", "low"),
+    ("VLLM_WORKER_MULTIPROC_METHOD", "fork/spawn choice (CPU platform forces spawn at config time)",
+     "0.11-0.32", "low"),
+]

@@ -1,0 +1,93 @@
+"""Input datasets: JSONL (one sample a line) or a speculators-preprocessed dataset directory
+(``datasets.Dataset.save_to_disk`` layout: ``state.json`` + Arrow stream files), read lazily.
+
+Each sample: ``{"input_ids": [int, ...], "loss_mask": [0/1, ...]}`` (loss_mask optional: all ones).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+
+class DatasetError(ValueError):
+    """A malformed input sample; the message names the file and line / row."""
+
+
+@dataclass
+class Sample:
+    index: int
+    input_ids: list[int]
+    loss_mask: list[int] | None
+
+
+def _validate(where: str, obj) -> tuple[list[int], list[int] | None]:
+    if not isinstance(obj, dict):
+        raise DatasetError(f"{where}: expected an object with input_ids, got {type(obj).__name__}")
+    ids = obj.get("input_ids")
+    if not isinstance(ids, list) or not ids:
+        raise DatasetError(f"{where}: input_ids must be a non-empty list of token ids")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise DatasetError(f"{where}: input_ids holds {t!r}, not a non-negative integer")
+    mask = obj.get("loss_mask")
+    if mask is not None:
+        if not isinstance(mask, list) or len(mask) != len(ids):
+            raise DatasetError(f"{where}: loss_mask must be a list as long as input_ids "
+                               f"({len(ids)}), got {len(mask) if isinstance(mask, list) else type(mask).__name__}")
+        if any(m not in (0, 1, True, False) for m in mask):
+            raise DatasetError(f"{where}: loss_mask must hold 0/1 values")
+        mask = [int(m) for m in mask]
+    return ids, mask
+
+
+def iter_jsonl(path: Path) -> Iterator[Sample]:
+    with open(path, encoding="utf-8") as f:
+        index = 0
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
+            ids, mask = _validate(f"{path}:{lineno}", obj)
+            yield Sample(index, ids, mask)
+            index += 1
+
+
+def iter_arrow_dir(path: Path) -> Iterator[Sample]:
+    state = json.loads((path / "state.json").read_text())
+    files = [path / f["filename"] for f in state.get("_data_files", [])]
+    if not files:
+        raise DatasetError(f"{path}: state.json lists no data files")
+    try:
+        import pyarrow as pa
+    except ImportError as e:
+        raise DatasetError(f"{path}: reading a saved dataset needs pyarrow ({e})") from e
+    index = 0
+    for f in files:
+        with pa.memory_map(str(f)) as src:
+            reader = pa.ipc.open_stream(src)
+            for batch in reader:
+                cols = batch.schema.names
+                if "input_ids" not in cols:
+                    raise DatasetError(f"{f}: no input_ids column (columns: {cols})")
+                ids_col = batch.column("input_ids").to_pylist()
+                mask_col = batch.column("loss_mask").to_pylist() if "loss_mask" in cols else [None] * len(ids_col)
+                for ids, mask in zip(ids_col, mask_col):
+                    ids, mask = _validate(f"{f} row {index}", {"input_ids": ids, "loss_mask": mask})
+                    yield Sample(index, ids, mask)
+                    index += 1
+
+
+def open_dataset(path: str | Path) -> Iterator[Sample]:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"input {str(p)!r} does not exist")
+    if p.is_dir():
+        if (p / "state.json").exists():
+            return iter_arrow_dir(p)
+        raise DatasetError(f"{p}: a directory input must be a saved dataset (state.json + .arrow files)")
+    return iter_jsonl(p)

@@ -1,0 +1,180 @@
+"""``speculators-compat extract``: dataset -> fixed batches -> generator -> background writer.
+
+Batches are fixed partitions of the sample indices (``[k*B, (k+1)*B)``), whatever was done before,
+so a resumed run feeds the engine exactly the batches an uninterrupted run would: a batch that is
+partly on disk is recomputed whole and only its missing samples are written. That is what makes
+a resumed dataset byte-identical to an uninterrupted one (the engine is deterministic for a given
+batch; the scheduler splits it the same way).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from .. import versions
+from .dataset import DatasetError, Sample, open_dataset
+from .writer import BackgroundWriter, OutputDir
+
+logger = logging.getLogger("speculators_compat.pipeline")
+
+
+def _batches(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
+    it = iter(samples)
+    while True:
+        batch = list(islice(it, size))
+        if not batch:
+            return
+        yield batch
+
+
+def count_samples(path: str | Path) -> int | None:
+    p = Path(path)
+    if p.is_file():
+        with open(p, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    info = p / "dataset_info.json"
+    if info.exists():
+        splits = json.loads(info.read_text()).get("splits") or {}
+        n = sum(s.get("num_examples", 0) for s in splits.values())
+        return n or None
+    return None
+
+
+def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, batch_size: int = 8,
+                max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
+                queue_size: int = 2, progress: bool = True, generator=None,
+                layer_id_convention: str = "upstream", **gen_kwargs) -> dict[str, Any]:
+    import torch
+
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
+    if on_overlength not in ("truncate", "error", "skip"):
+        raise ValueError(f"on_overlength must be truncate, error or skip, not {on_overlength!r}")
+    t0 = time.time()
+    total = count_samples(input_path)
+    if max_samples is not None:
+        total = min(total, max_samples) if total is not None else max_samples
+    samples: Iterable[Sample] = open_dataset(input_path)
+    if max_samples is not None:
+        samples = islice(samples, max_samples)
+
+    if generator is None:
+        from ..generator import VllmHiddenStatesGenerator
+
+        generator = VllmHiddenStatesGenerator(model, layer_ids=layer_ids, layer_id_convention=layer_id_convention,
+                                              on_overlength="error", **gen_kwargs)
+    max_len = generator.engine.max_model_len - 1
+    run_info = {"model": os.path.abspath(model) if os.path.exists(model) else model,
+                "input": os.path.abspath(input_path), "layer_ids": list(generator.layer_ids),
+                "layer_id_convention": "upstream", "format": fmt, "batch_size": batch_size,
+                "max_model_len": max_len + 1, "on_overlength": on_overlength,
+                "dtype": str(generator.vllm_config.model_config.dtype).replace("torch.", "")}
+    out = OutputDir(output, fmt)
+    done = out.prepare(run_info)
+    writer = BackgroundWriter(out, queue_size)
+    bar = _progress(total, progress, initial=0)
+    stats = {"samples_seen": 0, "skipped_done": 0, "computed": 0, "written_new": 0, "tokens": 0,
+             "truncated": [], "skipped_overlength": []}
+    n_seen = 0
+    try:
+        for batch in _batches(samples, batch_size):
+            n_seen += len(batch)
+            todo = [s for s in batch if s.index not in done]
+            if not todo:
+                stats["skipped_done"] += len(batch)
+                bar.update(len(batch))
+                continue
+            ids, masks, keep = [], [], []
+            for s in batch:
+                x, m = s.input_ids, s.loss_mask
+                if len(x) > max_len:
+                    if on_overlength == "error":
+                        raise DatasetError(f"sample {s.index} has {len(x)} tokens; at most max_model_len - 1 "
+                                           f"= {max_len} fit (use --on-overlength truncate|skip)")
+                    if on_overlength == "skip":
+                        stats["skipped_overlength"].append(s.index)
+                        continue
+                    stats["truncated"].append(s.index)
+                    x, m = x[:max_len], (m[:max_len] if m is not None else None)
+                ids.append(x)
+                masks.append(m)
+                keep.append(s)
+            if not keep:
+                bar.update(len(batch))
+                continue
+            results = generator.generate(ids)
+            items = []
+            for s, r, m in zip(keep, results, masks):
+                if s.index in done:
+                    continue
+                lm = torch.as_tensor(m if m is not None else [1] * len(r["input_ids"]), dtype=torch.long)
+                items.append((s.index, {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
+                                        "loss_mask": lm}))
+                stats["tokens"] += len(r["input_ids"])
+                stats["hidden_size"] = int(r["hidden_states"][0].shape[-1])
+            stats["computed"] += len(keep)
+            stats["written_new"] += len(items)
+            stats["skipped_done"] += len(batch) - len(todo)
+            writer.put(items)
+            bar.update(len(batch))
+            bar.set_postfix_str(f"{stats['tokens'] / max(time.time() - t0, 1e-9):,.0f} tok/s", refresh=False)
+        stats["samples_seen"] = n_seen
+    finally:
+        bar.close()
+        try:
+            writer.close()
+        except Exception as e:  # don't mask the original error; report the writer's own failure
+            if sys.exc_info()[0] is None:
+                raise
+            logger.error("writer failed while handling another error: %s", e)
+    manifest = out.finalize(n_seen, extra={
+        "model": run_info["model"], "layer_ids": run_info["layer_ids"], "num_samples": n_seen,
+        "truncated": stats["truncated"], "skipped_overlength": stats["skipped_overlength"],
+        "versions": versions.report(), "hidden_size": stats.get("hidden_size")})
+    took = time.time() - t0
+    summary = {"output": str(out.root), "samples": n_seen, "files": manifest["num_files"],
+               "new_files": stats["written_new"], "already_done": stats["skipped_done"],
+               "computed": stats["computed"], "tokens_computed": stats["tokens"],
+               "bytes": manifest["total_bytes"], "seconds": round(took, 2),
+               "tokens_per_s": round(stats["tokens"] / took, 1) if took > 0 else None,
+               "truncated": len(stats["truncated"]), "skipped_overlength": len(stats["skipped_overlength"])}
+    with open(out.root / "runs.jsonl", "a") as f:  # timings live here, not in the manifest
+        f.write(json.dumps(summary) + "\n")
+    return summary
+
+
+def _progress(total, enabled: bool, initial: int = 0):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional: a silent stand-in
+        class _Null:
+            def update(self, *a): ...
+            def set_postfix_str(self, *a, **k): ...
+            def close(self): ...
+        return _Null()
+    return tqdm(total=total, initial=initial, unit="sample", disable=not enabled, dynamic_ncols=True,
+                desc="extract")
+
+
+def main_extract(args) -> int:
+    if args.dry_run:
+        from .plan import main_plan
+
+        return main_plan(args)
+    summary = run_extract(
+        args.model, args.input, args.output, layer_ids=args.layer_ids, batch_size=args.batch_size,
+        max_samples=args.max_samples, fmt=args.format, on_overlength=args.on_overlength,
+        queue_size=args.queue_size, progress=not args.no_progress,
+        layer_id_convention=args.layer_id_convention, max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, quantization=args.quantization,
+        trust_remote_code=args.trust_remote_code, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_expert_parallel=args.enable_expert_parallel, async_scheduling=args.async_scheduling)
+    print("summary: " + json.dumps(summary))
+    return 0

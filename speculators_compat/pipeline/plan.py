@@ -1,0 +1,250 @@
+"""``speculators-compat plan`` / ``extract --dry-run``: sizes from config.json alone (no weights, no vLLM).
+
+Counts parameters per architecture family (Llama/Qwen2-style dense; DeepSeek-V3/Kimi-K2 MLA+MoE,
+also inside a VLM's ``text_config``; a ViT tower from ``vision_config``), applies the checkpoint's
+``quantization_config`` (compressed-tensors int-N with group scales on the layers it targets), then:
+  * weights per GPU under tensor parallelism (vocab/heads/experts sharded; MLA latent projections,
+    norms and routers replicated);
+  * KV cache bytes per token per GPU (MLA: the 512+64 latent is replicated on every TP rank;
+    GQA: KV heads are sharded when there are at least TP of them);
+  * capture buffers: max_num_batched_tokens x captured layers x hidden on the GPU per step,
+    and the same in pinned host memory;
+  * hidden-state bytes per token and, with a dataset, for the whole output (+ ids and loss masks).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 1024 ** 3
+GB = 1000 ** 3
+
+
+@dataclass
+class Plan:
+    model: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    layer_ids: list[int]
+    tensor_parallel_size: int
+    params_total: int
+    params_quantized: int
+    weight_bytes_total: int
+    weight_bytes_per_gpu: int
+    kv_bytes_per_token_per_gpu: int
+    tokens_per_step: int
+    capture_bytes_per_step: int
+    hidden_bytes_per_token: int
+    gpu_memory_bytes: int
+    kv_cache_bytes_per_gpu: int
+    kv_cache_tokens: int
+    notes: list[str] = field(default_factory=list)
+    dataset: dict[str, Any] | None = None
+
+
+def _text_cfg(cfg: dict) -> dict:
+    t = cfg.get("text_config")
+    if isinstance(t, dict) and t.get("num_hidden_layers"):
+        return t
+    return cfg
+
+
+def _quant(cfg: dict) -> tuple[float, list[str], str]:
+    """(bits per quantized weight incl. scales, ignore patterns, description)."""
+    q = cfg.get("quantization_config") or _text_cfg(cfg).get("quantization_config")
+    if not q:
+        return 0.0, [], "none"
+    if q.get("quant_method") == "compressed-tensors":
+        groups = q.get("config_groups") or {}
+        w = next(iter(groups.values()), {}).get("weights", {}) if groups else {}
+        bits = int(w.get("num_bits", 16))
+        gs = w.get("group_size") or 0
+        eff = bits + (16.0 / gs if gs else 0.0)  # one bf16 scale per group
+        if w.get("symmetric") is False and gs:
+            eff += bits / gs  # zero points
+        return eff, list(q.get("ignore", [])), f"compressed-tensors int{bits} group {gs} ({eff:.2f} bits/weight)"
+    return 0.0, [], f"{q.get('quant_method')} (not modelled: counted as bf16)"
+
+
+def count_params(cfg: dict) -> dict[str, Any]:
+    """Parameter groups: list of (name, count, per-layer-kind, sharded_by_tp, quantizable)."""
+    t = _text_cfg(cfg)
+    h = t["hidden_size"]
+    n = t["num_hidden_layers"]
+    vocab = t["vocab_size"]
+    groups: list[tuple[str, int, bool, bool]] = []  # (name, params, tp_sharded, is_routed_expert)
+    tied = bool(t.get("tie_word_embeddings", False))
+    groups.append(("embed_tokens", vocab * h, True, False))
+    if not tied:
+        groups.append(("lm_head", vocab * h, True, False))
+    is_mla = t.get("kv_lora_rank") is not None
+    if is_mla:
+        heads = t["num_attention_heads"]
+        qk_nope, qk_rope, v_head = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"]
+        q_lora, kv_lora = t.get("q_lora_rank"), t["kv_lora_rank"]
+        qk = qk_nope + qk_rope
+        if q_lora:
+            q_rep = h * q_lora + q_lora  # q_a_proj + q_a_layernorm (replicated)
+            q_sh = q_lora * heads * qk  # q_b_proj (column parallel)
+        else:
+            q_rep, q_sh = 0, h * heads * qk
+        kv_rep = h * (kv_lora + qk_rope) + kv_lora  # kv_a_proj_with_mqa + kv_a_layernorm (replicated)
+        kv_sh = kv_lora * heads * (qk_nope + v_head)  # kv_b_proj
+        o_sh = heads * v_head * h
+        groups.append(("attention (replicated)", n * (q_rep + kv_rep), False, False))
+        groups.append(("attention (sharded)", n * (q_sh + kv_sh + o_sh), True, False))
+    else:
+        heads = t["num_attention_heads"]
+        kv_heads = t.get("num_key_value_heads", heads)
+        hd = t.get("head_dim") or h // heads
+        attn = h * heads * hd + 2 * h * kv_heads * hd + heads * hd * h
+        if t.get("attention_bias") or t.get("model_type") == "qwen2":
+            attn += heads * hd + 2 * kv_heads * hd
+        groups.append(("attention", n * attn, True, False))
+    groups.append(("norms", n * 2 * h + h, False, False))
+    experts = t.get("n_routed_experts") or t.get("num_experts")
+    if experts:
+        dense_layers = t.get("first_k_dense_replace", 0)
+        moe_layers = n - dense_layers
+        inter = t["intermediate_size"]
+        moe_inter = t["moe_intermediate_size"]
+        shared = t.get("n_shared_experts") or 0
+        groups.append(("dense MLP (first layers)", dense_layers * 3 * h * inter, True, False))
+        groups.append(("routed experts", moe_layers * experts * 3 * h * moe_inter, True, True))
+        groups.append(("shared experts", moe_layers * shared * 3 * h * moe_inter, True, False))
+        groups.append(("routers", moe_layers * (experts * h + experts), False, False))
+    else:
+        groups.append(("MLP", n * 3 * h * t["intermediate_size"], True, False))
+    v = cfg.get("vision_config")
+    if isinstance(v, dict):
+        vh = v.get("hidden_size") or v.get("vt_hidden_size") or v.get("embed_dim")
+        vl = v.get("num_hidden_layers") or v.get("vt_num_hidden_layers") or v.get("depth")
+        vi = v.get("intermediate_size") or v.get("vt_intermediate_size") or (4 * vh if vh else None)
+        if vh and vl and vi:
+            groups.append(("vision tower (estimate)", vl * (4 * vh * vh + 2 * vh * vi), False, False))
+    return {"groups": groups, "is_mla": is_mla, "hidden": h, "layers": n}
+
+
+def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_num_batched_tokens: int | None = None,
+              gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.8, dtype_bytes: int = 2,
+              num_samples: int | None = None, avg_tokens: float | None = None, total_tokens: int | None = None,
+              max_model_len: int = 2048) -> Plan:
+    from ..generator import default_layer_ids, normalize_layer_ids
+
+    cfg_path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: --dry-run needs the model's config.json")
+    cfg = json.loads(cfg_path.read_text())
+    t = _text_cfg(cfg)
+    info = count_params(cfg)
+    tp = tensor_parallel_size
+    h, n = info["hidden"], info["layers"]
+    ids = normalize_layer_ids(layer_ids, n) if layer_ids else default_layer_ids(n)
+    qbits, _ignore, qdesc = _quant(cfg)
+    total = quant = 0
+    wbytes_total = wbytes_gpu = 0.0
+    for name, count, sharded, routed in info["groups"]:
+        # int-N checkpoints of MoE models (Kimi-K2.x) quantize the routed experts only; attention,
+        # shared experts, the dense layer, embeddings and the ViT stay bf16 (their ignore list)
+        q = bool(qbits) and routed
+        b = count * (qbits / 8.0 if q else dtype_bytes)
+        total += count
+        quant += count if q else 0
+        wbytes_total += b
+        wbytes_gpu += b / tp if sharded else b
+    if info["is_mla"]:
+        kv = (t["kv_lora_rank"] + t["qk_rope_head_dim"]) * n * dtype_bytes  # latent, replicated per rank
+    else:
+        heads = t["num_attention_heads"]
+        kvh = t.get("num_key_value_heads", heads)
+        hd = t.get("head_dim") or h // heads
+        kvh_gpu = max(1, kvh // tp) if kvh >= tp else 1
+        kv = 2 * kvh_gpu * hd * n * dtype_bytes
+    mnbt = max_num_batched_tokens or max(8192, max_model_len)
+    hidden_per_token = len(ids) * h * dtype_bytes
+    capture_step = mnbt * hidden_per_token
+    if gpu_memory_gib is None:
+        gpu_memory_gib = _detect_gpu_gib() or 141.0
+    gpu_bytes = int(gpu_memory_gib * GiB)
+    # activation peak of one prefill step, rough: a few hidden-sized buffers per token plus logits
+    activation = mnbt * (8 * h + (t["vocab_size"] // tp)) * 4
+    kv_budget = int(gpu_bytes * gpu_memory_utilization - wbytes_gpu - activation - capture_step)
+    notes = [f"quantization: {qdesc}",
+             f"tokens per step: {mnbt} (max_num_batched_tokens; chunked prefill splits longer prompts)",
+             f"activation peak per step (estimate): {activation / GiB:.1f} GiB per GPU"]
+    if kv_budget <= 0:
+        notes.append("WEIGHTS DO NOT FIT: raise tensor parallelism or use a quantized checkpoint")
+    ds = None
+    if total_tokens is None and num_samples and avg_tokens:
+        total_tokens = int(num_samples * avg_tokens)
+    if total_tokens:
+        per_token_disk = hidden_per_token + 8 + 8  # + int64 input_ids and loss_mask
+        ds = {"samples": num_samples, "tokens": total_tokens,
+              "hidden_state_bytes": total_tokens * hidden_per_token,
+              "disk_bytes": total_tokens * per_token_disk + (num_samples or 0) * 1500}
+    return Plan(model=str(model), architecture=(cfg.get("architectures") or ["?"])[0], num_layers=n,
+                hidden_size=h, layer_ids=ids, tensor_parallel_size=tp, params_total=int(total),
+                params_quantized=int(quant), weight_bytes_total=int(wbytes_total),
+                weight_bytes_per_gpu=int(wbytes_gpu), kv_bytes_per_token_per_gpu=int(kv),
+                tokens_per_step=mnbt, capture_bytes_per_step=int(capture_step),
+                hidden_bytes_per_token=hidden_per_token, gpu_memory_bytes=gpu_bytes,
+                kv_cache_bytes_per_gpu=max(kv_budget, 0), kv_cache_tokens=max(kv_budget, 0) // max(kv, 1),
+                notes=notes, dataset=ds)
+
+
+def _detect_gpu_gib() -> float | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GiB
+    except ImportError:
+        return None
+    return None
+
+
+def format_plan(p: Plan) -> str:
+    def gib(b):
+        return f"{b / GiB:,.1f} GiB ({b / GB:,.1f} GB)"
+
+    lines = [f"plan for {p.model} ({p.architecture}), tensor parallel {p.tensor_parallel_size}",
+             f"  layers {p.num_layers}, hidden {p.hidden_size}, capture layer ids {p.layer_ids}",
+             f"  parameters: {p.params_total / 1e9:,.1f} B ({p.params_quantized / 1e9:,.1f} B quantized)",
+             f"  weights: total {gib(p.weight_bytes_total)}; per GPU {gib(p.weight_bytes_per_gpu)}",
+             f"  GPU memory {gib(p.gpu_memory_bytes)} per GPU; KV cache left {gib(p.kv_cache_bytes_per_gpu)} "
+             f"= {p.kv_cache_tokens:,} tokens at {p.kv_bytes_per_token_per_gpu:,} B/token/GPU",
+             f"  per step: {p.tokens_per_step:,} tokens; capture buffers {gib(p.capture_bytes_per_step)} on GPU "
+             f"(+ the same pinned on the host)",
+             f"  hidden states: {p.hidden_bytes_per_token:,} B per token ({len(p.layer_ids)} layers x "
+             f"{p.hidden_size} x 2 B)"]
+    if p.dataset:
+        d = p.dataset
+        lines.append(f"  dataset: {d['samples'] or '?'} samples, {d['tokens']:,} tokens -> hidden states "
+                     f"{gib(d['hidden_state_bytes'])}; disk needed {gib(d['disk_bytes'])}")
+    lines += [f"  note: {x}" for x in p.notes]
+    return "\n".join(lines)
+
+
+def main_plan(args) -> int:
+    total_tokens = num = None
+    if getattr(args, "input", None):
+        from .dataset import open_dataset
+
+        num = total_tokens = 0
+        for s in open_dataset(args.input):
+            if getattr(args, "max_samples", None) and num >= args.max_samples:
+                break
+            num += 1
+            total_tokens += min(len(s.input_ids), args.max_model_len - 1)
+    p = make_plan(args.model, layer_ids=args.layer_ids, tensor_parallel_size=args.tensor_parallel_size,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  gpu_memory_gib=getattr(args, "gpu_memory_gib", None),
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  num_samples=num or getattr(args, "num_samples", None),
+                  avg_tokens=getattr(args, "avg_tokens", None), total_tokens=total_tokens or None,
+                  max_model_len=args.max_model_len)
+    print(json.dumps(asdict(p), indent=2) if getattr(args, "json", False) else format_plan(p))
+    return 0
