@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Recipe: EAGLE-3 training data from Kimi-K2.5 INT4 on one 8-GPU node (e.g. 8x H200, 141 GB each).
+
+    python examples/kimi_k25_int4_8gpu.py --model /models/Kimi-K2.5 --input train.jsonl --output /data/kimi-hs
+
+What each setting is for:
+  * tensor_parallel_size=8: ~595 GB of INT4 weights (routed experts int4 g32, the rest bf16) ->
+    ~77 GB per GPU (run `speculators-compat plan --model ... --tensor-parallel-size 8` first);
+  * trust_remote_code=True: Kimi-K2.5's config/tokenizer classes ship inside the checkpoint;
+  * dtype="auto": bf16 activations; quantization is read from the checkpoint (compressed-tensors);
+  * layer ids [2, 30, 58, 60] (upstream convention = vLLM native EAGLE-3 [3, 31, 59, 61]): the last
+    one (60) is the verifier's final pre-norm state, which speculators' trainer uses as target;
+  * max_num_batched_tokens=8192: tokens per prefill step; with 4 captured layers x 7168 x 2 B the
+    capture buffer is 0.45 GiB per step;
+  * gpu_memory_utilization=0.85 leaves room for the vision tower's profiling pass;
+  * VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1200: cold INT4 MoE kernels can stall the first step;
+  * enable_expert_parallel: optional (--ep); plain TP is the tested path.
+Resumable: rerun the same command after any interruption.
+
+It needs the GPUs; everything around it runs on the built-in tiny models on CPU:
+    python examples/kimi_k25_int4_8gpu.py --model "$(python -c 'from speculators_compat.testing import models; print(models.build("llama"))')" \
+        --input samples.jsonl --output out --tensor-parallel-size 1 --layer-ids 1,3,5 --max-model-len 2048
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--tensor-parallel-size", type=int, default=8)
+    ap.add_argument("--layer-ids", default="2,30,58,60")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--ep", action="store_true", help="enable expert parallelism")
+    ap.add_argument("--max-samples", type=int, default=None)
+    a = ap.parse_args()
+
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1200")
+    import speculators_compat  # noqa: F401
+    from speculators_compat.pipeline.extract import run_extract
+
+    summary = run_extract(
+        a.model, a.input, a.output, layer_ids=[int(x) for x in a.layer_ids.split(",")],
+        batch_size=a.batch_size, max_samples=a.max_samples, max_model_len=a.max_model_len,
+        tensor_parallel_size=a.tensor_parallel_size, trust_remote_code=True, dtype="auto",
+        max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
+        enable_expert_parallel=a.ep, async_scheduling="keep")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

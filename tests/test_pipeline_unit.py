@@ -1,0 +1,110 @@
+"""Pipeline pieces without an engine: dataset parsing errors, output-dir guards, writer failures."""
+import json
+import os
+
+import pytest
+
+from speculators_compat.pipeline.dataset import DatasetError, open_dataset
+from speculators_compat.pipeline.writer import OutputDir, OutputError
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_ok(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, "",
+                                            {"input_ids": [4]}])
+    got = list(open_dataset(f))
+    assert [(s.index, s.input_ids, s.loss_mask) for s in got] == [(0, [1, 2, 3], [0, 1, 1]), (1, [4], None)]
+
+
+@pytest.mark.parametrize("line,text", [
+    ('{"input_ids": [1, 2', "d.jsonl:2: malformed JSON"),
+    ('{"ids": [1]}', "d.jsonl:2: input_ids must be a non-empty list"),
+    ('{"input_ids": []}', "non-empty"),
+    ('{"input_ids": [1, -2]}', "holds -2"),
+    ('{"input_ids": [1, "x"]}', "holds 'x'"),
+    ('{"input_ids": [1, 2], "loss_mask": [1]}', "as long as input_ids"),
+    ('{"input_ids": [1, 2], "loss_mask": [1, 7]}', "0/1"),
+    ('[1, 2, 3]', "expected an object"),
+])
+def test_jsonl_errors_name_the_line(tmp_path, line, text):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1]}, line])
+    with pytest.raises(DatasetError, match=text):
+        list(open_dataset(f))
+
+
+def test_missing_input(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_dataset(tmp_path / "nope.jsonl")
+
+
+def test_directory_without_dataset(tmp_path):
+    with pytest.raises(DatasetError, match="saved dataset"):
+        open_dataset(tmp_path)
+
+
+def test_arrow_dataset_dir(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    table = pa.table({"input_ids": [[5, 6, 7], [8]], "loss_mask": [[0, 1, 1], [1]]})
+    with pa.OSFile(str(tmp_path / "data-00000-of-00001.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+    (tmp_path / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    got = [(s.input_ids, s.loss_mask) for s in open_dataset(tmp_path)]
+    assert got == [([5, 6, 7], [0, 1, 1]), ([8], [1])]
+
+
+def test_output_dir_refuses_another_run(tmp_path):
+    out = OutputDir(tmp_path / "o")
+    assert out.prepare({"model": "a", "layer_ids": [1, 2]}) == set()
+    with pytest.raises(OutputError, match="layer_ids: \\[1, 2\\] -> \\[1, 3\\]"):
+        out.prepare({"model": "a", "layer_ids": [1, 3]})
+
+
+def test_output_dir_uncreatable(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="cannot create output directory"):
+        OutputDir(tmp_path / "file" / "sub").prepare({})
+
+
+def test_partial_files_dropped_and_done_detected(tmp_path):
+    out = OutputDir(tmp_path)
+    out.prepare({"m": 1})
+    (tmp_path / "data_0.pt").write_bytes(b"x")
+    (tmp_path / ".data_1.pt.partial").write_bytes(b"half")
+    (tmp_path / "data_2.safetensors").write_bytes(b"other format")
+    assert out.prepare({"m": 1}) == {0}
+    assert not (tmp_path / ".data_1.pt.partial").exists()
+
+
+def test_writer_failure_surfaces_and_keeps_written_files(tmp_path, mocker):
+    """A full disk cannot be produced here: the write itself is the seam we replace (ENOSPC)."""
+    torch = pytest.importorskip("torch")
+    from speculators_compat.pipeline import writer as w
+
+    out = OutputDir(tmp_path)
+    out.prepare({"m": 1})
+    bw = w.BackgroundWriter(out, queue_size=1)
+    sample = {"input_ids": torch.tensor([1, 2]), "hidden_states": [torch.zeros(2, 4)], "loss_mask": torch.ones(2)}
+    bw.put([(0, sample)])
+
+    def full(path, data):
+        raise OSError(28, "No space left on device")
+
+    import time
+
+    while not (tmp_path / "data_0.pt").exists():
+        time.sleep(0.01)
+    mocker.patch.object(w, "atomic_write", side_effect=full)
+    with pytest.raises(OutputError, match="No space left on device"):
+        for i in range(1, 50):
+            bw.put([(i, sample)])
+            time.sleep(0.01)
+    with pytest.raises(OutputError):
+        bw.close()
+    assert torch.load(tmp_path / "data_0.pt", weights_only=True)["input_ids"].tolist() == [1, 2]
+    assert not list(tmp_path.glob(".data_*.partial"))
+    assert os.path.exists(tmp_path / "checksums.jsonl")
