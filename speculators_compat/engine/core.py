@@ -78,6 +78,8 @@ class EngineOptions:
     enforce_eager: bool = True
     #: "fork" | "spawn" | None (vLLM's choice: CPU forces spawn; GPU forks unless CUDA is initialised)
     worker_start_method: str | None = None
+    #: GPU -> host hand-off of captured rows: "pinned" (async into pinned memory) | "sync" | None (env/default)
+    copy_mode: str | None = None
     engine_kwargs: dict = field(default_factory=dict)  # passed through to EngineArgs
 
 
@@ -165,7 +167,7 @@ class ExtractionEngine:
         self._rpc_takes_rank = "unique_reply_rank" in _params(self.executor.collective_rpc)
         probe = self._rpc_rank0_raw("compat_ping")
         self._rpc_unwrap = isinstance(probe, list)
-        infos = self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids,))
+        infos = self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids, opts.copy_mode))
         self.model_info = infos[0]
         if not any(i.get("capturing") for i in infos):
             raise RuntimeError("speculators_compat: no worker rank captures hidden states")
@@ -257,6 +259,11 @@ class ExtractionEngine:
         return build_request(rid, prompt, sp, block_hasher=self.core.request_block_hasher)
 
     # ------------------------------------------------------------------ lifecycle
+    def set_copy_mode(self, mode: str) -> None:
+        """Switch the GPU -> host hand-off ("pinned" or "sync") between runs (benchmarks)."""
+        self.opts.copy_mode = mode
+        self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids, mode))
+
     def stats(self) -> dict:
         return self._rpc_rank0("compat_capture_stats")
 

@@ -97,7 +97,7 @@ class _CaptureState:
     tokens: int = 0
 
 
-def install_capture(worker, layer_ids: list[int], record_all: bool = False) -> dict:
+def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy_mode: str | None = None) -> dict:
     """Install forward hooks for ``layer_ids`` (absolute decoder-layer indices) on ``worker``.
 
     ``record_all`` keeps every forward's rows in step order (upstream's worker contract) instead
@@ -123,7 +123,7 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False) -> d
             "(vLLM Model Runner V2?). Capture needs the V1 runner: set VLLM_USE_V2_MODEL_RUNNER=0.")
     if not _is_capture_rank():
         return info
-    mode = os.environ.get(COPY_MODE_ENV, "pinned")
+    mode = copy_mode or os.environ.get(COPY_MODE_ENV, "pinned")
     if mode not in ("pinned", "sync"):
         raise ValueError(f"{COPY_MODE_ENV} must be 'pinned' or 'sync', not {mode!r}")
     st = _CaptureState(layer_ids=list(layer_ids), base_model=base, copy_mode=mode, record_all=record_all)
@@ -175,15 +175,24 @@ def _make_pre_forward(runner, st: _CaptureState):
         positions = kwargs.get("positions")  # decoder layers: forward(positions, hidden_states, ...)
         if positions is None and args:
             positions = args[0]
-        if isinstance(positions, torch.Tensor) and positions.dim() == 1:
-            offsets = [0]
-            for c in counts[:-1]:
-                offsets.append(offsets[-1] + c)
-            idx = torch.tensor(offsets, dtype=torch.long, device=positions.device)
-            starts = positions[idx].tolist() if counts else []
+        total = sum(counts)
+        if isinstance(positions, torch.Tensor) and positions.dim() == 1 and total:
+            # one device->host copy per step; every check below runs on the host
+            pos = positions[:total].to("cpu", non_blocking=False).long()
+            cnt = torch.tensor(counts, dtype=torch.long)
+            offsets = torch.cumsum(cnt, 0) - cnt
+            starts_t = pos[offsets.clamp(max=total - 1)]
+            expected = torch.repeat_interleave(starts_t, cnt) + torch.arange(total) - torch.repeat_interleave(offsets, cnt)
+            if not torch.equal(pos, expected):
+                bad_row = int((pos != expected).nonzero()[0])
+                owner = int(torch.searchsorted(torch.cumsum(cnt, 0), bad_row, right=True))
+                raise RuntimeError(
+                    f"speculators_compat: request {req_ids[owner]}: positions of its rows are not "
+                    "contiguous (attribution would be wrong)")
+            starts = starts_t.tolist()
         else:  # M-RoPE style positions: fall back to the runner's computed-token counts
-            positions = None
             starts = [int(ib.num_computed_tokens_cpu[i]) for i in range(len(req_ids))]
+        positions = None
         st.layout = (req_ids, counts, starts, positions)
         return None
 
@@ -201,13 +210,6 @@ def _make_distribute(st: _CaptureState):
             plen = st.expected.get(rid)
             if n and plen is not None and start < plen:
                 keep = min(n, plen - start)
-                if positions is not None:
-                    seg_pos = positions[offset : offset + keep]
-                    want = torch.arange(start, start + keep, device=seg_pos.device, dtype=seg_pos.dtype)
-                    if not torch.equal(seg_pos, want):
-                        raise RuntimeError(
-                            f"speculators_compat: request {rid}: positions of its rows are not "
-                            f"contiguous from {start} (attribution would be wrong)")
                 layers = [st.rows[lid][offset : offset + keep] for lid in st.layer_ids]
                 st.segments.setdefault(rid, []).append(_Segment(start, layers))
                 st.tokens += keep
@@ -276,8 +278,8 @@ class CaptureExtension:
     def compat_ping(self) -> str:
         return "speculators_compat"
 
-    def compat_capture_setup(self, layer_ids: list[int]) -> dict:
-        return install_capture(self, layer_ids)
+    def compat_capture_setup(self, layer_ids: list[int], copy_mode: str | None = None) -> dict:
+        return install_capture(self, layer_ids, copy_mode=copy_mode)
 
     def compat_capture_expect(self, expected: dict) -> None:
         """Announce request ids and their prompt lengths before they are scheduled."""

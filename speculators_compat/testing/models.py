@@ -35,10 +35,15 @@ SPECS = {
         norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", rope_theta=10000.0,
         rope_scaling=None)),
 }
-# A ~100M-parameter Llama for benchmarks (8 layers, hidden 1024).
+# A ~100M-parameter Llama for CPU benchmarks (8 layers, hidden 1024).
 SPECS["llama-100m"] = ("LlamaConfig", "LlamaForCausalLM", dict(
     _COMMON, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-    num_key_value_heads=8, rope_theta=10000.0))
+    num_key_value_heads=8, rope_theta=10000.0, initializer_range=0.02))
+# A ~1.1B-parameter Llama-shaped model for the GPU run, saved in bf16 (16 layers, hidden 2048).
+SPECS["llama-1b"] = ("LlamaConfig", "LlamaForCausalLM", dict(
+    _COMMON, vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=10000.0,
+    initializer_range=0.02, torch_dtype="bfloat16"))
 
 
 def _key(name: str) -> str:
@@ -77,6 +82,9 @@ def _build_into(name: str, d: Path) -> None:
     import transformers
 
     cfg_cls, model_cls, kw = SPECS[name]
+    kw = dict(kw)
+    save_dtype = getattr(torch, kw.pop("torch_dtype", "float32"))
+    std = 0.1 if kw.get("initializer_range", 0.1) >= 0.1 else kw["initializer_range"]
     cfg = getattr(transformers, cfg_cls)(**kw)
     torch.manual_seed(1234)
     model = getattr(transformers, model_cls)(cfg).to(torch.float32)
@@ -84,11 +92,13 @@ def _build_into(name: str, d: Path) -> None:
         g = torch.Generator().manual_seed(4321)
         for pname, p in sorted(model.named_parameters()):
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
             elif "norm" in pname or "layernorm" in pname:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.zero_()
+    model = model.to(save_dtype)
+    model.config.torch_dtype = save_dtype
     model.save_pretrained(d, safe_serialization=True)
     save_tokenizer(d)
 

@@ -27,12 +27,13 @@ def tolerance_for(dtype) -> float:
 class HFReference:
     """Runs an HF model in float32, one sequence at a time, caching results by token tuple."""
 
-    def __init__(self, model_path, layer_ids):
+    def __init__(self, model_path, layer_ids, device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.layer_ids = list(layer_ids)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).to(device)
         self.model.eval()
         self._cache: dict[tuple, list] = {}
         base = self.model.model
@@ -53,8 +54,8 @@ class HFReference:
         if key not in self._cache:
             self._captured.clear()
             with torch.no_grad():
-                self.model(torch.tensor([list(ids)]), use_cache=False)
-            self._cache[key] = [self._captured[lid][0].clone() for lid in self.layer_ids]
+                self.model(torch.tensor([list(ids)], device=self.device), use_cache=False)
+            self._cache[key] = [self._captured[lid][0].float().cpu() for lid in self.layer_ids]
         return self._cache[key]
 
 
@@ -82,7 +83,7 @@ def compare(results, prompts, reference: HFReference, tol: float, layer_ids=None
     for i, (layers, ids) in enumerate(zip(results, prompts)):
         ref = reference(ids)
         for j, lid in enumerate(layer_ids):
-            got = layers[j].float()
+            got = layers[j].float().cpu()
             want = ref[reference.layer_ids.index(lid)]
             if tuple(got.shape) != tuple(want.shape):
                 bad.append(Mismatch(i, lid, float("inf"), float("inf"), tuple(got.shape)))

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Throughput on one engine configuration and one batch, measured in one run.
+
+Contenders (same model, dtype, max_model_len, max_num_batched_tokens, eager mode, prefix caching off):
+  raw       vLLM's own LLM.generate(max_tokens=1) over the batch (prefill + one sampled token)
+  generate  speculators_compat VllmHiddenStatesGenerator.generate() (capture + hand-off to the driver)
+  pipeline  the full extract pipeline: generate + torch.save of every sample to disk (background writer)
+  hf        HF transformers forward with output_hidden_states, micro-batched
+Each is warmed up once, then the contenders run in turn, ``--reps`` rounds (alternating, so drift hits
+all); the table gives the median tokens/s and the spread (min-max), and the last line the ratios.
+
+On CPU, hold thread binding and reserved cores equal across engines (RUNTIME.md section 10 saw a 2x
+artefact otherwise): this script sets VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU once
+for both engines. On CPU the two engines run one after the other (``--sequential``: an idle vLLM CPU
+engine's workers still poll), in the order raw, ours, raw, ours...
+    python benchmarks/throughput.py --model llama --batch 64 --seq 128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama", help="tiny model name (llama, llama-100m, llama-1b) or a path")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    ap.add_argument("--layers", default=None, help="comma-separated layer ids (default: upstream's 4)")
+    ap.add_argument("--copy-modes", default="pinned", help="GPU: e.g. 'pinned,sync' to compare hand-offs")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--json", default=None, help="write the figures here too")
+    a = ap.parse_args(argv)
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import torch
+
+    import speculators_compat  # noqa: F401
+    from speculators_compat import VllmHiddenStatesGenerator, versions
+    from speculators_compat.pipeline.extract import run_extract
+    from speculators_compat.testing import models
+
+    cuda = torch.cuda.is_available()
+    path = a.model if os.path.isdir(a.model) else str(models.build(a.model))
+    prompts = models.random_prompts([a.seq] * a.batch, seed=7)
+    tokens = a.batch * a.seq
+    common = dict(max_model_len=max(2048, a.seq + 8), dtype=a.dtype, max_num_batched_tokens=a.max_num_batched_tokens,
+                  gpu_memory_utilization=a.gpu_memory_utilization)
+    times: dict[str, list[float]] = {}
+    tmp = tempfile.mkdtemp(prefix="sc-bench-")
+    jsonl = os.path.join(tmp, "in.jsonl")
+    with open(jsonl, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"input_ids": p}) + "\n")
+
+    def make_raw():
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=path, enforce_eager=True, enable_prefix_caching=False, seed=0,
+                  distributed_executor_backend="mp", **common)
+        sp = SamplingParams(max_tokens=1, temperature=0.0)
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        return llm, (lambda: llm.generate(batch, sp, use_tqdm=False))
+
+    def make_ours():
+        gen = VllmHiddenStatesGenerator(path, layer_ids=[int(x) for x in a.layers.split(",")] if a.layers else None,
+                                        **common)
+        return gen, (lambda: gen.generate(prompts))
+
+    def pipeline_fn(gen):
+        def run():
+            out = tempfile.mkdtemp(prefix="out-", dir=tmp)
+            run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False)
+            shutil.rmtree(out)
+        return run
+
+    def rec(name, dt):
+        times.setdefault(name, []).append(dt)
+
+    copy_modes = a.copy_modes.split(",") if cuda else ["cpu"]
+    if cuda:  # both engines alive; alternate call by call
+        llm, raw = make_raw()
+        gen, ours = make_ours()
+        raw(), ours()  # warm-up
+        for _ in range(a.reps):
+            rec("raw", _timed(raw))
+            for m in copy_modes:
+                gen.engine.set_copy_mode(m)
+                rec(f"generate[{m}]", _timed(ours))
+            rec("pipeline", _timed(pipeline_fn(gen)))
+        gen.close()
+        del llm
+    else:  # CPU: one engine at a time, alternating phases
+        for phase in range(2):
+            llm, raw = make_raw()
+            raw()
+            for _ in range(a.reps):
+                rec("raw", _timed(raw))
+            llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
+            del llm
+            gen, ours = make_ours()
+            ours()
+            for _ in range(a.reps):
+                rec("generate[cpu]", _timed(ours))
+                rec("pipeline", _timed(pipeline_fn(gen)))
+            gen.close()
+    if not a.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        dev = "cuda" if cuda else "cpu"
+        m = AutoModelForCausalLM.from_pretrained(path, torch_dtype=getattr(torch, a.dtype)).to(dev).eval()
+        ids = torch.tensor(prompts, device=dev)
+        mb = max(1, 8192 // a.seq)
+
+        def hf():
+            with torch.no_grad():
+                for i in range(0, a.batch, mb):
+                    hs = m(ids[i:i + mb], output_hidden_states=True, use_cache=False).hidden_states
+                    [h.cpu() for h in hs[1::4]]
+            if cuda:
+                torch.cuda.synchronize()
+
+        hf()
+        for _ in range(a.reps):
+            rec("hf", _timed(hf))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    rows = {k: {"tok_s_median": tokens / statistics.median(v), "tok_s_min": tokens / max(v),
+                "tok_s_max": tokens / min(v), "runs": len(v)} for k, v in times.items()}
+    env = {"device": torch.cuda.get_device_name(0) if cuda else f"cpu x{os.cpu_count()}",
+           "vllm": versions.installed("vllm"), "torch": torch.__version__, "model": a.model,
+           "batch": a.batch, "seq": a.seq, "tokens": tokens, "dtype": a.dtype,
+           "max_num_batched_tokens": a.max_num_batched_tokens}
+    print(json.dumps(env))
+    print(f"| contender | tokens/s (median) | spread (min-max) | runs |")
+    print("|---|---|---|---|")
+    for k, r in rows.items():
+        print(f"| {k} | {r['tok_s_median']:,.0f} | {r['tok_s_min']:,.0f} - {r['tok_s_max']:,.0f} | {r['runs']} |")
+    gen_key = next(k for k in rows if k.startswith("generate"))
+    ratios = {f"{gen_key}/raw": rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"],
+              f"pipeline/{gen_key}": rows["pipeline"]["tok_s_median"] / rows[gen_key]["tok_s_median"]}
+    if "generate[sync]" in rows and "generate[pinned]" in rows:
+        ratios["pinned/sync"] = rows["generate[pinned]"]["tok_s_median"] / rows["generate[sync]"]["tok_s_median"]
+    if "hf" in rows:
+        ratios[f"{gen_key}/hf"] = rows[gen_key]["tok_s_median"] / rows["hf"]["tok_s_median"]
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"env": env, "rows": rows, "ratios": ratios, "raw_times_s": times}, f, indent=1)
+    print("ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""GPU correctness run (docs/gpu-results.md): unmodified speculators 0.3.0 + import, and the drop-in
+generator, on real CUDA vLLM, against HF transformers (float32) on the same GPU.
+
+  1. upstream class + `import speculators_compat`, tiny Llama, async `disable` then `keep`;
+  2. drop-in generator, ~1.1B Llama-shaped model in bf16, async `keep` (vLLM auto-enables it on GPU),
+     max_num_batched_tokens 2048 so long prompts are chunked.
+Cases: 13 mixed prompts (5..700 tokens), prompts sharing a 300-token prefix, the same batch twice,
+11 x 900 tokens (two steps / chunked prefill). Writes result.json into the given directory.
+"""
+import json
+import os
+import sys
+import time
+
+
+def main() -> int:
+    out = sys.argv[1]
+    import speculators_compat  # first, as a user would
+    import torch
+
+    from speculators_compat import VllmHiddenStatesGenerator, versions
+    from speculators_compat.testing import models, reference
+
+    report = {"gpu": torch.cuda.get_device_name(0), "versions": versions.report(), "runs": []}
+    tiny, big = str(models.build("llama")), str(models.build("llama-1b"))
+    prefix = models.random_prompts([300], seed=11)[0]
+    cases = {
+        "mixed13": models.random_prompts([5, 700, 37, 120, 300, 17, 64, 8, 512, 50, 99, 10, 11], seed=1),
+        "shared_prefix": [prefix + t for t in models.random_prompts([5, 40, 77], seed=12)] + [prefix],
+        "chunked_11x900": models.random_prompts([900] * 11, seed=5),
+    }
+
+    def run(name, gen, path, layers, vocab=1024):
+        refs = reference.HFReference(path, layers, device="cuda")
+        eng = getattr(gen, "engine", None) or getattr(gen, "_compat_engine")
+        info = {"name": name, "model": os.path.basename(path),
+                "async_scheduling": eng.vllm_config.scheduler_config.async_scheduling,
+                "batch_queue": eng.core.batch_queue is not None,
+                "worker_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
+                "startup_s": round(eng.startup_seconds, 1), "cases": {}}
+        for cname, prompts in list(cases.items()) + [("repeat_mixed13", cases["mixed13"])]:
+            prompts = [[t % vocab for t in p] for p in prompts]
+            t = time.time()
+            res = gen.generate(prompts)
+            dt = time.time() - t
+            dtype = res[0]["hidden_states"][0].dtype
+            order_ok = all(r["input_ids"].tolist() == p for r, p in zip(res, prompts))
+            worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, refs,
+                                           reference.tolerance_for(dtype))
+            info["cases"][cname] = {"ok": order_ok and not bad, "worst_rel": worst, "dtype": str(dtype),
+                                    "tokens": sum(map(len, prompts)), "seconds": round(dt, 3),
+                                    "mismatches": [vars(b) for b in bad[:3]]}
+            print(name, cname, info["cases"][cname], flush=True)
+        del refs
+        torch.cuda.empty_cache()
+        report["runs"].append(info)
+
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator as Upstream
+
+    for strategy in ("disable", "keep"):
+        os.environ["SPECULATORS_COMPAT_ASYNC"] = strategy
+        g = Upstream(tiny, layer_ids=[1, 3, 5], max_model_len=2048, gpu_memory_utilization=0.3)
+        run(f"upstream+import async={strategy}", g, tiny, [1, 3, 5])
+        g.__del__()
+    with VllmHiddenStatesGenerator(big, max_model_len=4096, dtype="bfloat16", gpu_memory_utilization=0.4,
+                                   max_num_batched_tokens=2048, async_scheduling="keep") as g:
+        run("drop-in llama-1b bf16 async=keep", g, big, g.layer_ids, vocab=32000)
+    report["status"] = speculators_compat.status()
+    report["all_ok"] = all(c["ok"] for r in report["runs"] for c in r["cases"].values())
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print("ALL OK" if report["all_ok"] else "MISMATCHES", flush=True)
+    return 0 if report["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On a GPU machine where vLLM is installed into $SITE (the ../shared/gpu bundle puts vLLM 0.20.0 in
+# /tmp/site): expose this source tree with its vLLM plugin entry point, then run the GPU checks.
+#   bash scripts/gpu_run.sh correctness OUTDIR     # engines vs HF on the GPU, async keep/disable
+#   bash scripts/gpu_run.sh bench OUTDIR           # throughput: raw vLLM vs generate vs pipeline vs HF
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SITE=${SITE:-/tmp/site}
+export PYTHONPATH="$SITE:$PWD" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 \
+       VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING} TOKENIZERS_PARALLELISM=false
+export SPECULATORS_COMPAT_CACHE=${SPECULATORS_COMPAT_CACHE:-/tmp/sc-cache}
+d="$SITE/speculators_compat-0.1.0.dist-info"   # so vLLM finds our vllm.general_plugins entry point
+mkdir -p "$d"
+printf 'Metadata-Version: 2.1\nName: speculators-compat\nVersion: 0.1.0\n' > "$d/METADATA"
+printf '[vllm.general_plugins]\nspeculators_compat = speculators_compat.plugin:register\n' > "$d/entry_points.txt"
+mode=${1:?correctness or bench}; out=${2:?output dir}; mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+if [ "$mode" = bench ]; then
+  python3 benchmarks/throughput.py --model llama-1b --batch 32 --seq 1024 --reps 3 --dtype bfloat16 \
+      --max-num-batched-tokens 8192 --copy-modes pinned,sync --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | grep -v "^INFO"
+else
+  python3 scripts/gpu_check.py "$out" 2>&1 | tee "$out/correctness.log" | grep -v "^INFO"
+fi
