@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     from speculators_compat.testing import models
 
     cuda = torch.cuda.is_available()
+    if cuda:  # the check above may initialise CUDA here: vLLM's processes must then be spawned
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     path = a.model if os.path.isdir(a.model) else str(models.build(a.model))
     prompts = models.random_prompts([a.seq] * a.batch, seed=7)
     tokens = a.batch * a.seq
