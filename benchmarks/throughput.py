@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     def pipeline_fn(gen):
         def run():
             out = tempfile.mkdtemp(prefix="out-", dir=tmp)
-            run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False)
+            # 4 batches per call, so the background writer overlaps disk writes with compute
+            run_extract(path, jsonl, out, batch_size=max(1, a.batch // 4), generator=gen, progress=False)
             shutil.rmtree(out)
         return run
 

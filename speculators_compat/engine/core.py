@@ -33,6 +33,33 @@ logger = logging.getLogger("speculators_compat.engine")
 WORKER_EXTENSION = "speculators_compat.engine.worker.CaptureExtension"
 ASYNC_ENV = "SPECULATORS_COMPAT_ASYNC"
 ASYNC_CHOICES = ("disable", "keep")
+HANDOFF_ENV = "SPECULATORS_COMPAT_HANDOFF"  # "shm" (default: files in /dev/shm) | "rpc" (pickled)
+
+
+def _handoff_prefix(uid: str) -> str | None:
+    mode = os.environ.get(HANDOFF_ENV, "shm")
+    if mode not in ("shm", "rpc"):
+        raise ValueError(f"{HANDOFF_ENV} must be 'shm' or 'rpc', not {mode!r}")
+    if mode == "rpc":
+        return None
+    d = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    if d is None:
+        logger.warning("speculators_compat: /dev/shm is not writable; captured states travel over RPC (slower)")
+        return None
+    return os.path.join(d, f"speculators-compat-{uid}-")
+
+
+def _load(x):
+    """A captured tensor from the worker: as is, or mapped from its hand-off file (then unlinked)."""
+    if isinstance(x, tuple) and x and x[0] == "file":
+        import torch
+
+        _, path, shape, dtype = x
+        n = shape[0] * shape[1]
+        t = torch.from_file(path, shared=True, size=n, dtype=getattr(torch, dtype)).view(*shape)
+        os.unlink(path)  # the mapping keeps the pages; memory is freed with the tensor
+        return t
+    return x
 
 
 def _params(fn) -> set:
@@ -50,6 +77,10 @@ class CaptureError(RuntimeError):
 
 class StallError(RuntimeError):
     """The engine stopped making progress with requests still pending."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A vLLM worker process died; the engine cannot continue (files already written are intact)."""
 
 
 def resolve_async(strategy: str | None) -> str:
@@ -157,11 +188,14 @@ class ExtractionEngine:
             # config creation may have forced it (the CPU platform sets spawn); ours wins
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = opts.worker_start_method
         executor_class = Executor.get_class(self.vllm_config)
-        self.core = EngineCore(self.vllm_config, executor_class, log_stats=False)
+        self._worker_failed = False
+        self.core = EngineCore(self.vllm_config, executor_class, log_stats=False,
+                               executor_fail_callback=self._on_worker_failure)
         self._closed = False
         self._lock = threading.Lock()
         self._uid = uuid.uuid4().hex[:8]
         self._calls = 0
+        self._handoff_prefix = _handoff_prefix(self._uid)
         # Does collective_rpc(unique_reply_rank=0) hand back the value (0.12+) or a 1-list (0.11)?
         # Probe the behaviour instead of trusting a version number.
         self._rpc_takes_rank = "unique_reply_rank" in _params(self.executor.collective_rpc)
@@ -219,8 +253,14 @@ class ExtractionEngine:
             for rid, p in zip(ids, prompts):
                 self.core.add_request(self._make_request(rid, list(p)))
             self._drive()
-            taken = self._rpc_rank0("compat_capture_take", ids)
-        except BaseException:
+            taken = self._rpc_rank0("compat_capture_take", ids, self._handoff_prefix)
+            taken["states"] = {r: [_load(x) for x in layers] for r, layers in taken["states"].items()}
+        except BaseException as e:
+            if self._worker_failed:
+                self._closed = True
+                raise WorkerDiedError(
+                    "a vLLM worker process died during extraction; this engine is unusable. Outputs "
+                    "already written are complete; rerun to resume.") from e
             self._abandon(ids)
             raise
         errors = taken["errors"]
@@ -243,10 +283,25 @@ class ExtractionEngine:
                     "the scheduler stopped scheduling with requests pending (200 steps without a "
                     "forward): a prompt may not fit the KV cache; lower the batch or raise memory")
 
+    def _cleanup_handoff(self) -> None:
+        if self._handoff_prefix:
+            import glob
+
+            for f in glob.glob(self._handoff_prefix + "*"):
+                try:
+                    os.unlink(f)
+                except FileNotFoundError:
+                    pass
+
+    def _on_worker_failure(self) -> None:  # called by vLLM's worker monitor thread
+        self._worker_failed = True
+        logger.error("speculators_compat: a vLLM worker process died")
+
     def _abandon(self, ids: list[str]) -> None:
         try:
             self.core.abort_requests(ids)
             self.executor.collective_rpc("compat_capture_take", args=(ids,))
+            self._cleanup_handoff()
         except Exception as e:  # the engine may be dead already; report, don't mask the real error
             logger.warning("could not clean up requests after a failure: %s", e)
 
@@ -271,6 +326,7 @@ class ExtractionEngine:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self._cleanup_handoff()
         try:
             self.core.shutdown()
         except Exception as e:

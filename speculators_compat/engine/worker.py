@@ -220,10 +220,13 @@ def _make_distribute(st: _CaptureState):
     return distribute
 
 
-def take_captures(worker, req_ids: list[str]) -> dict:
-    """Assembled captures for ``req_ids``: {"states": {rid: [tensor per layer]}, "errors": {rid: msg}}.
+def take_captures(worker, req_ids: list[str], handoff_prefix: str | None = None) -> dict:
+    """Assembled captures for ``req_ids``: {"states": {rid: [per layer]}, "errors": {rid: msg}}.
 
-    Forgets the requests afterwards. Only the capturing rank returns data.
+    With ``handoff_prefix`` (a path prefix on a filesystem the driver shares, /dev/shm), each
+    (request, layer) tensor is written to its own file and only ``(path, shape, dtype)`` travels back
+    over the RPC; otherwise the tensors themselves are pickled through vLLM's message queue (slow for
+    hundreds of MB). Forgets the requests afterwards. Only the capturing rank returns data.
     """
     st = getattr(worker, "_compat_capture", None)
     if st is None:
@@ -249,10 +252,38 @@ def take_captures(worker, req_ids: list[str]) -> dict:
         if problem is not None:
             errors[rid] = problem + " (prefix-cache hit, aborted request or lost step?)"
             continue
-        states[rid] = [torch.cat([s.layers[j] for s in segs], dim=0) if len(segs) > 1
-                       # clone: a view would pickle its whole step's storage across the RPC
-                       else segs[0].layers[j].clone() for j in range(len(st.layer_ids))]
+        if handoff_prefix is not None:
+            states[rid] = [_write_shared(f"{handoff_prefix}{_uid(rid)}-{j}", [s.layers[j] for s in segs])
+                           for j in range(len(st.layer_ids))]
+        else:
+            states[rid] = [torch.cat([s.layers[j] for s in segs], dim=0) if len(segs) > 1
+                           # clone: a view would pickle its whole step's storage across the RPC
+                           else segs[0].layers[j].clone() for j in range(len(st.layer_ids))]
     return {"states": states, "errors": errors, "rank_captures": True}
+
+
+def _uid(rid: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in rid)
+
+
+def _write_shared(path: str, parts: list) -> tuple:
+    """Concatenate ``parts`` (row blocks of one layer) into a new file at ``path``; return its descriptor."""
+    rows = sum(p.shape[0] for p in parts)
+    hidden = parts[0].shape[1]
+    dtype = parts[0].dtype
+    nbytes = rows * hidden * parts[0].element_size()
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    dst = torch.from_file(path, shared=True, size=rows * hidden, dtype=dtype).view(rows, hidden)
+    r = 0
+    for p in parts:
+        dst[r : r + p.shape[0]].copy_(p)
+        r += p.shape[0]
+    del dst  # unmap; the file keeps the data until the driver maps and unlinks it
+    return ("file", path, (rows, hidden), str(dtype).replace("torch.", ""))
 
 
 def take_all_rows(worker):
@@ -287,8 +318,8 @@ class CaptureExtension:
         if st is not None:
             st.expected.update(expected)
 
-    def compat_capture_take(self, req_ids: list[str]) -> dict:
-        return take_captures(self, req_ids)
+    def compat_capture_take(self, req_ids: list[str], handoff_prefix: str | None = None) -> dict:
+        return take_captures(self, req_ids, handoff_prefix)
 
     def compat_capture_reset(self) -> None:
         st = getattr(self, "_compat_capture", None)

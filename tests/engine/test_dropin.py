@@ -148,7 +148,8 @@ def test_deepseek_v3_mla_moe(vllm_version, hf_ref, capfd):
         g = VllmHiddenStatesGenerator(path, layer_ids=[0, 1, 3], max_model_len=1024, dtype="float32")
     except Exception as e:  # noqa: BLE001 - recorded, see DEEPSEEK_CPU_NOTE
         # vLLM raises a generic "WorkerProc initialization failed"; the reason is in the worker's log
-        logs = str(e) + capfd.readouterr().err
+        cap = capfd.readouterr()  # vLLM logs to stdout by default
+        logs = str(e) + cap.out + cap.err
         if "MLA is not supported on CPU" in logs:
             pytest.skip(f"vLLM {vllm_version}: its CPU backend says 'MLA is not supported on CPU'")
         raise
