@@ -110,6 +110,7 @@ def main(argv=None) -> int:
                 gen.engine.set_copy_mode(m)
                 rec(f"generate[{m}]", _timed(ours))
             rec("pipeline", _timed(pipeline_fn(gen)))
+        print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
         del llm
     else:  # CPU: one engine at a time, alternating phases

@@ -196,6 +196,7 @@ class ExtractionEngine:
         self._uid = uuid.uuid4().hex[:8]
         self._calls = 0
         self._handoff_prefix = _handoff_prefix(self._uid)
+        self.timings = {"drive_s": 0.0, "handoff_s": 0.0}
         # Does collective_rpc(unique_reply_rank=0) hand back the value (0.12+) or a 1-list (0.11)?
         # Probe the behaviour instead of trusting a version number.
         self._rpc_takes_rank = "unique_reply_rank" in _params(self.executor.collective_rpc)
@@ -252,9 +253,13 @@ class ExtractionEngine:
         try:
             for rid, p in zip(ids, prompts):
                 self.core.add_request(self._make_request(rid, list(p)))
+            t0 = time.perf_counter()
             self._drive()
+            t1 = time.perf_counter()
             taken = self._rpc_rank0("compat_capture_take", ids, self._handoff_prefix)
             taken["states"] = {r: [_load(x) for x in layers] for r, layers in taken["states"].items()}
+            self.timings["drive_s"] += t1 - t0
+            self.timings["handoff_s"] += time.perf_counter() - t1
         except BaseException as e:
             if self._worker_failed:
                 self._closed = True
@@ -320,7 +325,9 @@ class ExtractionEngine:
         self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids, mode))
 
     def stats(self) -> dict:
-        return self._rpc_rank0("compat_capture_stats")
+        st = dict(self._rpc_rank0("compat_capture_stats"))
+        st.update({k: round(v, 3) for k, v in self.timings.items()})
+        return st
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):

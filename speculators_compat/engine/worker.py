@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,8 @@ class _CaptureState:
     all_rows: list = field(default_factory=list)
     steps: int = 0
     tokens: int = 0
+    t_hooks: float = 0.0  # seconds inside capture hooks (device->host copies issued/done)
+    t_take: float = 0.0  # seconds assembling and handing off in take()
 
 
 def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy_mode: str | None = None) -> dict:
@@ -231,6 +234,18 @@ def take_captures(worker, req_ids: list[str], handoff_prefix: str | None = None)
     st = getattr(worker, "_compat_capture", None)
     if st is None:
         return {"states": {}, "errors": {}, "rank_captures": False}
+    t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    # vLLM pins workers to one torch thread; the hand-off copy is memory-bound: use more
+    torch.set_num_threads(max(threads, min(8, os.cpu_count() or 1)))
+    try:
+        return _take(st, req_ids, handoff_prefix)
+    finally:
+        torch.set_num_threads(threads)
+        st.t_take += time.perf_counter() - t0
+
+
+def _take(st, req_ids, handoff_prefix):
     _sync(st)
     states, errors = {}, {}
     for rid in req_ids:
@@ -333,7 +348,7 @@ class CaptureExtension:
         if st is None:
             return {}
         return {"steps": st.steps, "tokens": st.tokens, "pending_requests": len(st.segments),
-                "copy_mode": st.copy_mode}
+                "copy_mode": st.copy_mode, "hook_s": round(st.t_hooks, 3), "take_s": round(st.t_take, 3)}
 
 
 def _make_layer_hook(st: _CaptureState, lid: int, distribute):
@@ -342,6 +357,7 @@ def _make_layer_hook(st: _CaptureState, lid: int, distribute):
     def hook(module, args, output):
         if st.layout is None:
             return None
+        t0 = time.perf_counter()
         total = sum(st.layout[1])
         out = _layer_output(output)[:total].detach()
         if out.device.type == "cpu":
@@ -359,6 +375,7 @@ def _make_layer_hook(st: _CaptureState, lid: int, distribute):
             st.rows[lid] = out.cpu()
         if len(st.rows) == n_layers:
             distribute()
+        st.t_hooks += time.perf_counter() - t0
         return None
 
     return hook
