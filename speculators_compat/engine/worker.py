@@ -98,6 +98,7 @@ class _CaptureState:
     tokens: int = 0
     t_hooks: float = 0.0  # seconds inside capture hooks (device->host copies issued/done)
     t_take: float = 0.0  # seconds assembling and handing off in take()
+    nonfinite: list = field(default_factory=list)  # device flags: did a step's layer hold NaN/Inf?
 
 
 def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy_mode: str | None = None) -> dict:
@@ -247,6 +248,8 @@ def take_captures(worker, req_ids: list[str], handoff_prefix: str | None = None)
 
 def _take(st, req_ids, handoff_prefix):
     _sync(st)
+    flagged = bool(torch.stack(st.nonfinite).any()) if st.nonfinite else False
+    st.nonfinite = []
     states, errors = {}, {}
     for rid in req_ids:
         plen = st.expected.pop(rid, None)
@@ -267,6 +270,12 @@ def _take(st, req_ids, handoff_prefix):
         if problem is not None:
             errors[rid] = problem + " (prefix-cache hit, aborted request or lost step?)"
             continue
+        if flagged:  # slow path, only when some row somewhere was not finite
+            bad = [st.layer_ids[j] for j in range(len(st.layer_ids))
+                   if not all(bool(torch.isfinite(s.layers[j]).all()) for s in segs)]
+            if bad:
+                errors[rid] = f"NaN/Inf hidden states in layer(s) {bad}"
+                continue
         if handoff_prefix is not None:
             states[rid] = [_write_shared(f"{handoff_prefix}{_uid(rid)}-{j}", [s.layers[j] for s in segs])
                            for j in range(len(st.layer_ids))]
@@ -360,6 +369,8 @@ def _make_layer_hook(st: _CaptureState, lid: int, distribute):
         t0 = time.perf_counter()
         total = sum(st.layout[1])
         out = _layer_output(output)[:total].detach()
+        # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
+        st.nonfinite.append(~torch.isfinite(out).all())
         if out.device.type == "cpu":
             # A fresh tensor (hidden + residual) can be kept as is; the layer's own output buffer
             # may be updated in place by the next layer's fused add-norm, so copy that one.

@@ -39,6 +39,38 @@ def file_name(index: int, fmt: str) -> str:
     return f"data_{index}.{fmt}"
 
 
+class _HashingFile(io.RawIOBase):
+    """A write-only file that hashes and counts what passes through it."""
+
+    def __init__(self, f):
+        self.f, self.h, self.n = f, hashlib.sha256(), 0
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self.h.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+
+def write_sample(path: Path, sample: dict[str, Any], fmt: str) -> tuple[str, int]:
+    """Write ``sample`` atomically to ``path``; returns (sha256, bytes). Streams torch.save into the
+    file through a hash (no in-memory copy of the serialized sample)."""
+    if fmt != "pt":
+        data = serialize(sample, fmt)
+        atomic_write(path, data)
+        return hashlib.sha256(data).hexdigest(), len(data)
+    import torch
+
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "wb") as f:
+        hf = _HashingFile(f)
+        torch.save(sample, hf)
+    os.replace(tmp, path)
+    return hf.h.hexdigest(), hf.n
+
+
 def serialize(sample: dict[str, Any], fmt: str) -> bytes:
     import torch
 
@@ -58,9 +90,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.partial")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(tmp, path)  # atomic: a crash leaves either the old state or the whole file
 
 
 class OutputDir:
@@ -161,15 +191,14 @@ class BackgroundWriter:
                 continue  # drain: never block the producer after a failure
             try:
                 for index, sample in items:
-                    data = serialize(sample, self.out.fmt)
                     name = file_name(index, self.out.fmt)
-                    atomic_write(self.out.root / name, data)
-                    rec = {"index": index, "file": name, "sha256": hashlib.sha256(data).hexdigest(),
-                           "bytes": len(data), "tokens": int(sample["input_ids"].numel())}
+                    digest, nbytes = write_sample(self.out.root / name, sample, self.out.fmt)
+                    rec = {"index": index, "file": name, "sha256": digest, "bytes": nbytes,
+                           "tokens": int(sample["input_ids"].numel())}
                     self._sums.write(json.dumps(rec) + "\n")
                     self._sums.flush()
                     self.written += 1
-                    self.bytes += len(data)
+                    self.bytes += nbytes
             except BaseException as e:  # disk full, permissions: surfaced to the producer by check()
                 self.error = e
 

@@ -99,17 +99,20 @@ def test_bad_inputs_leave_the_engine_usable(gen, llama_path, hf_ref):
     check(gen, llama_path, models.random_prompts([33], seed=2), hf_ref)
 
 
-def test_nan_hidden_states_are_caught(gen):
-    import torch
+def test_nan_hidden_states_are_caught(llama_path, tmp_path):
+    """A checkpoint with one NaN weight in layer 3: the capture flags layers 3 and 5 by name."""
+    import shutil
 
-    from speculators_compat.generator import _check_finite
+    from safetensors.torch import load_file, save_file
 
-    good = torch.zeros(3, 4)
-    bad = good.clone()
-    bad[1, 2] = float("nan")
-    _check_finite(0, [good], [1])
-    with pytest.raises(CaptureError, match="sequence 7, layer 3: 1 token row"):
-        _check_finite(7, [good, bad], [1, 3])
+    d = tmp_path / "nan-llama"
+    shutil.copytree(llama_path, d)
+    w = load_file(str(d / "model.safetensors"))
+    w["model.layers.3.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with VllmHiddenStatesGenerator(str(d), layer_ids=[1, 3, 5], max_model_len=512, dtype="float32") as g:
+        with pytest.raises(CaptureError, match=r"prompt 1: NaN/Inf hidden states in layer\(s\) \[3, 5\]"):
+            g.generate(models.random_prompts([20, 30], seed=1))
 
 
 def test_bad_constructor_arguments(llama_path, tmp_path):
