@@ -23,7 +23,7 @@ def unpatch() -> None:
 
 def status() -> dict:
     """Structured report: installed versions, tested range, each patch's applies/applied/reason."""
-    from .status import build_status
+    from .report import build_status
 
     return build_status()
 

@@ -22,11 +22,12 @@ def _doctor(args) -> int:
                 __import__(mod)
             except Exception as e:  # report, keep going: doctor must print even on a broken stack
                 print(f"note: importing {mod} failed: {type(e).__name__}: {e}", file=sys.stderr)
-    from .status import build_status, format_status
+    from .report import build_status, format_status
 
     st = build_status(probe_engine=args.probe)
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
-    return 0 if speculators_compat.status()["enabled"] or st["disabled_by_env"] else 1
+    failed = [p["name"] for p in st["patches"] if p["applies"] and not p["applied"]]
+    return 1 if failed and speculators_compat.status()["enabled"] else 0
 
 
 def _demo(args) -> int:
@@ -78,7 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return int(args.fn(args) or 0)
+    from .engine.core import CaptureError, StallError, WorkerDiedError
+    from .pipeline.writer import OutputError
+
+    expected = (FileNotFoundError, ValueError, TypeError, OutputError, CaptureError, StallError, WorkerDiedError)
+    try:
+        return int(args.fn(args) or 0)
+    except expected as e:  # a clear one-line error; --verbose shows the traceback
+        if args.verbose:
+            raise
+        print(f"speculators-compat: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class _CaptureState:
     expected: dict = field(default_factory=dict)  # req_id -> prompt length
     segments: dict = field(default_factory=dict)  # req_id -> list[_Segment]
     scheduler_output: Any = None
-    layout: Any = None  # (req_ids, counts, starts) of the current forward
+    layout: Any = None  # (req_ids, counts, starts) of the current forward (positions checked)
     rows: dict = field(default_factory=dict)  # layer id -> tensor for the current forward
     copy_mode: str = "pinned"
     pending_event: Any = None
@@ -196,8 +196,7 @@ def _make_pre_forward(runner, st: _CaptureState):
             starts = starts_t.tolist()
         else:  # M-RoPE style positions: fall back to the runner's computed-token counts
             starts = [int(ib.num_computed_tokens_cpu[i]) for i in range(len(req_ids))]
-        positions = None
-        st.layout = (req_ids, counts, starts, positions)
+        st.layout = (req_ids, counts, starts)
         return None
 
     return pre_forward
@@ -205,7 +204,7 @@ def _make_pre_forward(runner, st: _CaptureState):
 
 def _make_distribute(st: _CaptureState):
     def distribute():
-        req_ids, counts, starts, positions = st.layout
+        req_ids, counts, starts = st.layout
         st.steps += 1
         if st.record_all:
             st.all_rows.append([st.rows[lid] for lid in sorted(set(st.layer_ids))])

@@ -136,7 +136,7 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
 
     cfg_path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} not found: --dry-run needs the model's config.json")
+        raise FileNotFoundError(f"{model}: config.json not found (the plan reads only the model's config.json)")
     cfg = json.loads(cfg_path.read_text())
     t = _text_cfg(cfg)
     info = count_params(cfg)

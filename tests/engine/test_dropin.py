@@ -183,3 +183,18 @@ def test_tensor_parallel_2(llama_path, hf_ref, monkeypatch):
 
 def test_version_floor(vllm_version):
     assert vllm_version >= Version("0.11")
+
+
+@pytest.mark.parametrize("method", ["fork"])
+def test_fork_started_workers(llama_path, hf_ref, method):
+    """The CPU platform forces spawn (every other engine test); fork is what GPU drivers get when CUDA
+    is not yet initialised: the capture extension and the patches must work there too."""
+    from speculators_compat.engine.core import EngineOptions, ExtractionEngine
+
+    opts = EngineOptions(model=llama_path, max_model_len=1024, dtype="float32", max_num_batched_tokens=256,
+                         worker_start_method=method)
+    with ExtractionEngine(opts, [1, 3]) as eng:
+        prompts = models.random_prompts([5, 300, 37], seed=8)
+        states = eng.run(prompts)
+    worst, bad = reference.compare(states, prompts, hf_ref(llama_path, [1, 3]), TOL)
+    assert not bad, worst
