@@ -8,7 +8,6 @@ cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
 export PYTHONPATH="$SITE:$PWD" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 \
        VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING} TOKENIZERS_PARALLELISM=false
-export SPECULATORS_COMPAT_CACHE=${SPECULATORS_COMPAT_CACHE:-/tmp/sc-cache}
 d="$SITE/speculators_compat-0.1.0.dist-info"   # so vLLM finds our vllm.general_plugins entry point
 mkdir -p "$d"
 printf 'Metadata-Version: 2.1\nName: speculators-compat\nVersion: 0.1.0\n' > "$d/METADATA"

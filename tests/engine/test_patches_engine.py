@@ -57,25 +57,18 @@ def hand_built(rid):  # what upstream / a user's hand-driven loop does: no block
     if "eos_token_id" in inspect.signature(Request.__init__).parameters:
         kw["eos_token_id"] = 2
     return Request(**kw)
-out = {}
-r = hand_built("with-patch")
-out["patched_has_hasher"] = bool(r.block_hashes)
-core.add_request(r)
-try:
-    while core.scheduler.has_requests():
-        core.step_fn()
-    out["patched"] = "ok"
-except Exception as e:
-    out["patched"] = f"{type(e).__name__}: {e}"
+def drive(rid):
+    core.add_request(hand_built(rid))
+    try:
+        while core.scheduler.has_requests():
+            core.step_fn()
+        return "ok"
+    except Exception as e:
+        return type(e).__name__
+out = {"patched_has_hasher": bool(hand_built("probe").block_hashes)}
+out["patched"] = drive("with-patch")
 speculators_compat.unpatch()
-r = hand_built("without-patch")
-core.add_request(r)
-try:
-    while core.scheduler.has_requests():
-        core.step_fn()
-    out["unpatched"] = "ok"
-except Exception as e:
-    out["unpatched"] = type(e).__name__
+out["unpatched"] = drive("without-patch")
 emit(out)
 core.shutdown()
 '''
