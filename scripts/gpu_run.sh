@@ -3,6 +3,7 @@
 # /tmp/site): expose this source tree with its vLLM plugin entry point, then run the GPU checks.
 #   bash scripts/gpu_run.sh correctness OUTDIR     # engines vs HF on the GPU, async keep/disable
 #   bash scripts/gpu_run.sh bench OUTDIR           # throughput: raw vLLM vs generate vs pipeline vs HF
+#   bash scripts/gpu_run.sh kimi OUTDIR            # Kimi-K2.5-width DeepSeek-V3 model, few layers, TP=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
@@ -14,7 +15,9 @@ printf 'Metadata-Version: 2.1\nName: speculators-compat\nVersion: 0.1.0\n' > "$d
 printf '[vllm.general_plugins]\nspeculators_compat = speculators_compat.plugin:register\n' > "$d/entry_points.txt"
 mode=${1:?correctness or bench}; out=${2:?output dir}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-if [ "$mode" = bench ]; then
+if [ "$mode" = kimi ]; then
+  python3 scripts/gpu_kimi_shaped.py "$out" 2>&1 | tee "$out/kimi.log" | grep -v "^INFO"
+elif [ "$mode" = bench ]; then
   python3 benchmarks/throughput.py --model llama-1b --batch 32 --seq 1024 --reps 3 --dtype bfloat16 \
       --max-num-batched-tokens 8192 --copy-modes pinned,sync --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | grep -v "^INFO"
 else
