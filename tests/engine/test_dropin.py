@@ -3,6 +3,8 @@
 Stress settings: max_num_batched_tokens=128 (every long prompt is split by chunked prefill over
 many steps) and max_num_seqs=4 (batches of 13 and 40 span many steps, re-ordered by the runner).
 """
+import json
+
 import pytest
 from packaging.version import Version
 
@@ -127,6 +129,12 @@ def test_bad_constructor_arguments(llama_path, tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "llama"}')
     with pytest.raises(ValueError, match="number of decoder layers"):
         VllmHiddenStatesGenerator(str(tmp_path))
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch",
+                                                     "num_hidden_layers": 4}))
+    with pytest.raises(Exception, match="NoSuchForCausalLM|nosuch"):  # vLLM's own error names it
+        VllmHiddenStatesGenerator(str(unknown), layer_ids=[1])
 
 
 def test_qwen2(qwen2_path, hf_ref):

@@ -84,6 +84,18 @@ def test_resume_is_byte_identical(gen, llama_path, tmp_path):
     assert read_dir(part) == read_dir(full)
 
 
+def test_safetensors_output(gen, llama_path, tmp_path):
+    from safetensors.torch import load_file
+
+    rows = make_jsonl(tmp_path / "in.jsonl", lengths=[12, 40, 7])
+    s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "st"), generator=gen, progress=False,
+                    fmt="safetensors")
+    assert s["files"] == 3
+    d = load_file(str(tmp_path / "st" / "data_1.safetensors"))
+    assert d["input_ids"].tolist() == rows[1]["input_ids"]
+    assert [tuple(d[f"hidden_states_{j}"].shape) for j in range(3)] == [(40, 128)] * 3
+
+
 def test_bad_pipeline_inputs(gen, llama_path, tmp_path):
     from speculators_compat.pipeline.dataset import DatasetError
 
