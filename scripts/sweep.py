@@ -51,6 +51,9 @@ def run_version(v: str, force: bool) -> None:
     py = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_env.py"), "python", v],
                         capture_output=True, text=True).stdout.strip()
     env = dict(os.environ, SPECULATORS_COMPAT_RESULTS=str(OUT), VLLM_CPU_KVCACHE_SPACE="1")
+    f = Path(py).parent.parent / "engine-env.json"
+    if f.exists():
+        env.update({k: v for k, v in json.loads(f.read_text()).items() if v})
     subprocess.run([py, "-m", "pytest", *SELECT, "-q", "-p", "no:cacheprovider", "--timeout", "900",
                     f"--junitxml={junit}"], cwd=ROOT, env=env)
     info = subprocess.run([py, "-c", "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, "
