@@ -9,5 +9,5 @@ V="${SPECULATORS_COMPAT_VLLM:-0.32.0}"
 python3 scripts/engine_env.py build "$V"
 PY=$(python3 scripts/engine_env.py python "$V")
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-       VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
+       VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-ERROR}"
 exec "$PY" -m speculators_compat.cli demo --model "${DEMO_MODEL:-llama}"
