@@ -183,3 +183,28 @@ def test_kimi_recipe_runs_on_the_tiny_model(llama_path, tmp_path):
                        capture_output=True, text=True, env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["num_files"] == 4
+
+
+@pytest.mark.slow
+def test_host_memory_stays_flat_as_the_dataset_grows(llama_path, tmp_path):
+    """Peak RSS of the pipeline's driver process for 40 and for 160 samples (same batches): the
+    bounded write queue must keep it flat, not proportional to the dataset."""
+    psutil = pytest.importorskip("psutil")
+    make_jsonl(tmp_path / "in.jsonl", lengths=[700, 650, 800, 900, 600, 750] * 30, seed=6)
+    peaks = {}
+    for n in (40, 160):
+        p = subprocess.Popen(CLI + ["--model", llama_path, "--input", str(tmp_path / "in.jsonl"), "--output",
+                                    str(tmp_path / f"o{n}"), "--max-samples", str(n)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))
+        proc, peak = psutil.Process(p.pid), 0
+        while p.poll() is None:
+            try:
+                peak = max(peak, proc.memory_info().rss)
+            except psutil.Error:
+                break
+            time.sleep(0.05)
+        assert p.returncode == 0
+        peaks[n] = peak
+    print(f"driver peak RSS: 40 samples {peaks[40] / 2**20:.0f} MiB, 160 samples {peaks[160] / 2**20:.0f} MiB")
+    assert peaks[160] < peaks[40] * 1.25 + 64 * 2**20
