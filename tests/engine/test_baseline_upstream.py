@@ -16,8 +16,8 @@ EXPECTED = [
     (">=0.11,<0.12", "wrong", None),
     # 0.12 - 0.23: SchedulerConfig gained the required InitVar is_encoder_decoder.
     (">=0.12,<0.24", "init", "is_encoder_decoder"),
-    # 0.24+: vLLM requires transformers 5, under which speculators 0.3.0 cannot be imported.
-    (">=0.24", "import", "name 'torch' is not defined"),
+    # 0.24+ requires transformers 5 (and 0.21+ may resolve to it), under which speculators 0.3.0
+    # cannot be imported: see expectation().
 ]
 
 SNIPPET = r'''
@@ -58,6 +58,17 @@ emit(out)
 
 
 def expectation(version):
+    """What upstream's first failure must be, given vLLM's version and the installed transformers."""
+    import importlib.util
+
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).major >= 5:
+        # speculators 0.3.0 cannot even be imported: which error comes first depends on transformers
+        if importlib.util.find_spec("transformers.modeling_attn_mask_utils") is None:  # e.g. 5.24
+            return "import", "No module named 'transformers.modeling_attn_mask_utils'"
+        return "import", "name 'torch' is not defined"  # e.g. 5.17-5.19
     for spec, kind, text in EXPECTED:
         if SpecifierSet(spec).contains(version, prereleases=True):
             return kind, text

@@ -151,10 +151,7 @@ def test_speculators_imports_under_transformers_5():
     if Version(transformers.__version__).major < 5:
         pytest.skip("transformers 4.x: speculators imports natively")
     snippet = r'''
-import importlib
 out = {}
-for disable in ("1", "0"):
-    pass
 try:
     import speculators.data_generation.vllm_hidden_states_generator  # noqa
     out["import"] = "ok"
@@ -164,7 +161,9 @@ emit(out)
 '''
     without, log = run_snippet("import speculators_compat\n" + snippet, env={"SPECULATORS_COMPAT_DISABLE": "1"})
     assert without is not None, log
-    assert "name 'torch' is not defined" in without["import"]
+    # transformers 5.17-5.19: pydantic forward ref; 5.2x: the removed modeling_attn_mask_utils
+    assert ("name 'torch' is not defined" in without["import"]
+            or "transformers.modeling_attn_mask_utils" in without["import"]), without
     with_, log = run_snippet("import speculators_compat\n" + snippet)
     assert with_ == {"import": "ok"}, log
 
