@@ -12,6 +12,7 @@ extension), so they are marked ``process = "both"`` and reach workers through th
 """
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -88,12 +89,16 @@ class AttnMaskUtilsPatch(Patch):
     test = "tests/test_attn_mask_shim.py"
 
     def needed(self, module):
-        if _SHIM in sys.modules or importlib.util.find_spec(_SHIM) is not None:
+        present = sys.modules.get(_SHIM)
+        if present is not None and not getattr(present, "_speculators_compat_shim", False):
+            return None
+        if present is None and importlib.util.find_spec(_SHIM) is not None:
             return None
         return f"{_SHIM} is missing from this transformers"
 
     def _apply(self, module):
         shim = types.ModuleType(_SHIM, "speculators_compat shim for the removed transformers module")
+        shim.__spec__ = importlib.machinery.ModuleSpec(_SHIM, None)  # so find_spec() works on it
         shim._prepare_4d_causal_attention_mask = prepare_4d_causal_attention_mask
         shim._speculators_compat_shim = True
         sys.modules[_SHIM] = shim
