@@ -78,6 +78,8 @@ def table() -> str:
     rows = []
     for v in ALL:
         junit = OUT / f"junit-{v}.xml"
+        if not junit.exists() and (ROOT / "results" / f"junit-{v}.xml").exists():
+            junit = ROOT / "results" / f"junit-{v}.xml"  # the last scripts/test.sh run (CI matrix)
         if not junit.exists():
             rows.append(f"| {v} | not run | | | | | |")
             continue
@@ -89,6 +91,8 @@ def table() -> str:
             cases.append((c.get("name"), state, msg, c.get("classname")))
         info = json.loads((OUT / f"info-{v}.json").read_text()) if (OUT / f"info-{v}.json").exists() else {}
         base_f = OUT / f"baseline-{v}.json"
+        if not base_f.exists():
+            base_f = ROOT / "results" / f"baseline-{v}.json"
         base = json.loads(base_f.read_text()) if base_f.exists() else None
         if base is None:
             btxt = "?"

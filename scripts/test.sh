@@ -8,8 +8,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MATRIX="${SPECULATORS_COMPAT_MATRIX:-0.11.0 0.12.0 0.16.0 0.17.0 0.32.0}"
-RESULTS="${SPECULATORS_COMPAT_RESULTS:-results}"
+RESULTS="results"
 rm -rf "$RESULTS"; mkdir -p "$RESULTS"
+export SPECULATORS_COMPAT_RESULTS="$PWD/$RESULTS"   # the baseline test records what upstream did there
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 t_all=$(date +%s)
 status=0
