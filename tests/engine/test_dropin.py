@@ -193,16 +193,28 @@ def test_version_floor(vllm_version):
     assert vllm_version >= Version("0.11")
 
 
-@pytest.mark.parametrize("method", ["fork"])
-def test_fork_started_workers(llama_path, hf_ref, method):
-    """The CPU platform forces spawn (every other engine test); fork is what GPU drivers get when CUDA
-    is not yet initialised: the capture extension and the patches must work there too."""
-    from speculators_compat.engine.core import EngineOptions, ExtractionEngine
+FORK_SNIPPET = r'''
+from speculators_compat.engine.core import EngineOptions, ExtractionEngine
+from speculators_compat.testing import models, reference
+path = str(models.build("llama"))
+opts = EngineOptions(model=path, max_model_len=1024, dtype="float32", max_num_batched_tokens=256,
+                     worker_start_method="fork")
+prompts = models.random_prompts([5, 300, 37], seed=8)
+with ExtractionEngine(opts, [1, 3]) as eng:  # forked before this process ran any torch work
+    states = eng.run(prompts)
+worst, bad = reference.compare(states, prompts, reference.HFReference(path, [1, 3]), 1e-3)
+emit({"worst": worst, "bad": len(bad)})
+'''
 
-    opts = EngineOptions(model=llama_path, max_model_len=1024, dtype="float32", max_num_batched_tokens=256,
-                         worker_start_method=method)
-    with ExtractionEngine(opts, [1, 3]) as eng:
-        prompts = models.random_prompts([5, 300, 37], seed=8)
-        states = eng.run(prompts)
-    worst, bad = reference.compare(states, prompts, hf_ref(llama_path, [1, 3]), TOL)
-    assert not bad, worst
+
+def test_fork_started_workers():
+    """The CPU platform forces spawn (every other engine test); fork is what GPU drivers get when CUDA
+    is not yet initialised. Forking a process whose OpenMP pool is live deadlocks (why vLLM spawns on
+    CPU), so the engine is started first in a fresh interpreter, as a GPU driver would."""
+    from tests.helpers import run_snippet
+
+    result, log = run_snippet(FORK_SNIPPET, timeout=300)
+    assert result is not None, log
+    assert result["bad"] == 0, result
+
+
