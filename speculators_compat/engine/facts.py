@@ -1,7 +1,11 @@
 """What the installed vLLM is like, decided once, by probing its code (not by version ranges).
 
-Each fact names the internal it is about; ``speculators_compat.status()`` reports them, and the
-engine loop reads them instead of branching on version numbers.
+Each fact names the internal it is about; ``speculators-compat doctor --probe`` reports them. The
+engine loop itself needs none of them to branch: the version-specific parts (config fields, KV-cache
+set-up, block hashing, the two-phase step) are delegated to vLLM's own EngineArgs and EngineCore, and
+the one behaviour the loop depends on directly (what ``collective_rpc(unique_reply_rank=0)``
+returns) is probed by calling it at start-up. The patches' ``needed()`` probes use the same kind of
+signature checks.
 """
 from __future__ import annotations
 
