@@ -91,14 +91,14 @@ def test_writer_failure_surfaces_and_keeps_written_files(tmp_path, mocker):
     sample = {"input_ids": torch.tensor([1, 2]), "hidden_states": [torch.zeros(2, 4)], "loss_mask": torch.ones(2)}
     bw.put([(0, sample)])
 
-    def full(path, data):
+    def full(path, sample, fmt):
         raise OSError(28, "No space left on device")
 
     import time
 
     while not (tmp_path / "data_0.pt").exists():
         time.sleep(0.01)
-    mocker.patch.object(w, "atomic_write", side_effect=full)
+    mocker.patch.object(w, "write_sample", side_effect=full)
     with pytest.raises(OutputError, match="No space left on device"):
         for i in range(1, 50):
             bw.put([(i, sample)])
