@@ -119,7 +119,8 @@ def main(argv=None) -> int:
             raw()
             for _ in range(a.reps):
                 rec("raw", _timed(raw))
-            llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
+            if hasattr(llm.llm_engine, "engine_core"):
+                llm.llm_engine.engine_core.shutdown()
             del llm
             gen, ours = make_ours()
             ours()

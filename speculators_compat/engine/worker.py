@@ -83,7 +83,6 @@ class _Segment:
 @dataclass
 class _CaptureState:
     layer_ids: list[int]
-    base_model: torch.nn.Module
     handles: list = field(default_factory=list)
     expected: dict = field(default_factory=dict)  # req_id -> prompt length
     segments: dict = field(default_factory=dict)  # req_id -> list[_Segment]
@@ -130,7 +129,7 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy
     mode = copy_mode or os.environ.get(COPY_MODE_ENV, "pinned")
     if mode not in ("pinned", "sync"):
         raise ValueError(f"{COPY_MODE_ENV} must be 'pinned' or 'sync', not {mode!r}")
-    st = _CaptureState(layer_ids=list(layer_ids), base_model=base, copy_mode=mode, record_all=record_all)
+    st = _CaptureState(layer_ids=list(layer_ids), copy_mode=mode, record_all=record_all)
     worker._compat_capture = st
     _wrap_runner(runner, st)
     # vLLM's @support_torch_compile replaces the decoder stack's __call__, so hooks on the stack

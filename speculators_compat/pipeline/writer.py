@@ -58,7 +58,7 @@ def write_sample(path: Path, sample: dict[str, Any], fmt: str) -> tuple[str, int
     """Write ``sample`` atomically to ``path``; returns (sha256, bytes). Streams torch.save into the
     file through a hash (no in-memory copy of the serialized sample)."""
     if fmt != "pt":
-        data = serialize(sample, fmt)
+        data = _safetensors_bytes(sample)
         atomic_write(path, data)
         return hashlib.sha256(data).hexdigest(), len(data)
     import torch
@@ -71,13 +71,7 @@ def write_sample(path: Path, sample: dict[str, Any], fmt: str) -> tuple[str, int
     return hf.h.hexdigest(), hf.n
 
 
-def serialize(sample: dict[str, Any], fmt: str) -> bytes:
-    import torch
-
-    if fmt == "pt":
-        buf = io.BytesIO()
-        torch.save(sample, buf)
-        return buf.getvalue()
+def _safetensors_bytes(sample: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
     tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
