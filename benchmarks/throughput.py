@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Throughput on one engine configuration and one batch, measured in one run.
 
-Contenders (same model, dtype, max_model_len, max_num_batched_tokens, eager mode, prefix caching off):
-  raw       vLLM's own LLM.generate(max_tokens=1) over the batch (prefill + one sampled token)
-  generate  speculators_compat VllmHiddenStatesGenerator.generate() (capture + hand-off to the driver)
-  pipeline  the full extract pipeline: generate + torch.save of every sample to disk (background writer)
+Contenders (same model, dtype, max_model_len, max_num_batched_tokens, eager mode, prefix caching off),
+each fed the same ``--batches`` batches of ``--batch`` prompts of ``--seq`` tokens, one engine call per
+batch:
+  raw       vLLM's own LLM.generate(max_tokens=1) per batch (prefill + one sampled token)
+  generate  speculators_compat VllmHiddenStatesGenerator.generate() per batch (capture + hand-off)
+  pipeline  the full extract pipeline over the same batches (--batch-size = --batch): generate +
+            torch.save of every sample to disk on the background writer, manifest at the end
   hf        HF transformers forward with output_hidden_states, micro-batched
 Each is warmed up once, then the contenders run in turn, ``--reps`` rounds (alternating, so drift hits
 all); the table gives the median tokens/s and the spread (min-max), and the last line the ratios.
@@ -37,6 +40,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama", help="tiny model name (llama, llama-100m, llama-1b) or a path")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batches", type=int, default=4, help="batches per timed run (the pipeline's writes overlap the next)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
@@ -63,8 +67,9 @@ def main(argv=None) -> int:
     if cuda:  # the check above may initialise CUDA here: vLLM's processes must then be spawned
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     path = a.model if os.path.isdir(a.model) else str(models.build(a.model))
-    prompts = models.random_prompts([a.seq] * a.batch, seed=7)
-    tokens = a.batch * a.seq
+    prompts = models.random_prompts([a.seq] * (a.batch * a.batches), seed=7)
+    batches = [prompts[i:i + a.batch] for i in range(0, len(prompts), a.batch)]
+    tokens = len(prompts) * a.seq
     common = dict(max_model_len=max(2048, a.seq + 8), dtype=a.dtype, max_num_batched_tokens=a.max_num_batched_tokens,
                   gpu_memory_utilization=a.gpu_memory_utilization)
     times: dict[str, list[float]] = {}
@@ -80,19 +85,18 @@ def main(argv=None) -> int:
         llm = LLM(model=path, enforce_eager=True, enable_prefix_caching=False, seed=0,
                   distributed_executor_backend="mp", **common)
         sp = SamplingParams(max_tokens=1, temperature=0.0)
-        batch = [{"prompt_token_ids": p} for p in prompts]
-        return llm, (lambda: llm.generate(batch, sp, use_tqdm=False))
+        reqs = [[{"prompt_token_ids": p} for p in b] for b in batches]
+        return llm, (lambda: [llm.generate(r, sp, use_tqdm=False) for r in reqs])
 
     def make_ours():
         gen = VllmHiddenStatesGenerator(path, layer_ids=[int(x) for x in a.layers.split(",")] if a.layers else None,
                                         **common)
-        return gen, (lambda: gen.generate(prompts))
+        return gen, (lambda: [gen.generate(b) for b in batches])
 
     def pipeline_fn(gen):
         def run():
             out = tempfile.mkdtemp(prefix="out-", dir=tmp)
-            # 4 batches per call, so the background writer overlaps disk writes with compute
-            run_extract(path, jsonl, out, batch_size=max(1, a.batch // 4), generator=gen, progress=False)
+            run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False)
             shutil.rmtree(out)
         return run
 
@@ -138,7 +142,7 @@ def main(argv=None) -> int:
 
         def hf():
             with torch.no_grad():
-                for i in range(0, a.batch, mb):
+                for i in range(0, len(prompts), mb):
                     hs = m(ids[i:i + mb], output_hidden_states=True, use_cache=False).hidden_states
                     [h.cpu() for h in hs[1::4]]
             if cuda:
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
                 "tok_s_max": tokens / min(v), "runs": len(v)} for k, v in times.items()}
     env = {"device": torch.cuda.get_device_name(0) if cuda else f"cpu x{os.cpu_count()}",
            "vllm": versions.installed("vllm"), "torch": torch.__version__, "model": a.model,
-           "batch": a.batch, "seq": a.seq, "tokens": tokens, "dtype": a.dtype,
+           "batch": a.batch, "batches": a.batches, "seq": a.seq, "tokens": tokens, "dtype": a.dtype,
            "max_num_batched_tokens": a.max_num_batched_tokens}
     print(json.dumps(env))
     print(f"| contender | tokens/s (median) | spread (min-max) | runs |")

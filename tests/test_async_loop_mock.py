@@ -25,7 +25,7 @@ class FakeAsyncCore:
         self.calls = 0
         self.scheduler = self
 
-    def has_requests(self):
+    def has_unfinished_requests(self):
         return self.pending > 0
 
     def step_fn(self):
@@ -59,7 +59,7 @@ def test_loop_drains_in_flight_batches(mocker):
 def test_loop_reports_a_stall(mocker):
     core = mocker.Mock()
     core.batch_queue = None
-    core.scheduler.has_requests.return_value = True  # a request that never gets scheduled
+    core.scheduler.has_unfinished_requests.return_value = True  # a request that never gets scheduled
     core.step_fn.return_value = (None, False)
     with pytest.raises(StallError, match="KV cache"):
         _engine_with(core)._drive()

@@ -49,17 +49,38 @@ def _handoff_prefix(uid: str) -> str | None:
     return os.path.join(d, f"speculators-compat-{uid}-")
 
 
-def _load(x):
-    """A captured tensor from the worker: as is, or mapped from its hand-off file (then unlinked)."""
-    if isinstance(x, tuple) and x and x[0] == "file":
+class _ArenaReader:
+    """Driver side of the /dev/shm hand-off: maps the worker's arena files, copies rows out.
+
+    Every returned tensor is a fresh copy that owns its storage (so ``torch.save`` of one layer of
+    one sample writes just that), and the worker may rewind the arena as soon as ``run`` returns.
+    """
+
+    def __init__(self):
+        self._maps: dict[str, Any] = {}
+
+    def _map(self, path: str):
         import torch
 
-        _, path, shape, dtype = x
-        n = shape[0] * shape[1]
-        t = torch.from_file(path, shared=True, size=n, dtype=getattr(torch, dtype)).view(*shape)
-        os.unlink(path)  # the mapping keeps the pages; memory is freed with the tensor
+        t = self._maps.get(path)
+        if t is None:
+            t = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+            self._maps[path] = t
         return t
-    return x
+
+    def assemble(self, blocks, hidden: int, dtype):
+        import torch
+
+        es = torch.empty((), dtype=dtype).element_size()
+        views = [self._map(p)[o: o + n * hidden * es].view(dtype).view(n, hidden) for p, o, n in blocks]
+        return views[0].clone() if len(views) == 1 else torch.cat(views, dim=0)
+
+    def forget_except(self, live: set) -> None:
+        for p in [p for p in self._maps if p not in live]:
+            del self._maps[p]  # unmapped once no tensor refers to it
+
+    def close(self) -> None:
+        self._maps.clear()
 
 
 def _params(fn) -> set:
@@ -196,13 +217,15 @@ class ExtractionEngine:
         self._uid = uuid.uuid4().hex[:8]
         self._calls = 0
         self._handoff_prefix = _handoff_prefix(self._uid)
+        self._reader = _ArenaReader()
         self.timings = {"drive_s": 0.0, "handoff_s": 0.0}
         # Does collective_rpc(unique_reply_rank=0) hand back the value (0.12+) or a 1-list (0.11)?
         # Probe the behaviour instead of trusting a version number.
         self._rpc_takes_rank = "unique_reply_rank" in _params(self.executor.collective_rpc)
         probe = self._rpc_rank0_raw("compat_ping")
         self._rpc_unwrap = isinstance(probe, list)
-        infos = self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids, opts.copy_mode))
+        infos = self.executor.collective_rpc("compat_capture_setup",
+                                            args=(self.layer_ids, opts.copy_mode, self._handoff_prefix))
         self.model_info = infos[0]
         if not any(i.get("capturing") for i in infos):
             raise RuntimeError("speculators_compat: no worker rank captures hidden states")
@@ -256,13 +279,14 @@ class ExtractionEngine:
             t0 = time.perf_counter()
             self._drive()
             t1 = time.perf_counter()
-            taken = self._rpc_rank0("compat_capture_take", ids, self._handoff_prefix)
-            taken["states"] = {r: [_load(x) for x in layers] for r, layers in taken["states"].items()}
+            taken = self._rpc_rank0("compat_capture_take", ids)
+            taken["states"] = self._copy_out(taken)
             self.timings["drive_s"] += t1 - t0
             self.timings["handoff_s"] += time.perf_counter() - t1
         except BaseException as e:
             if self._worker_failed:
                 self._closed = True
+                self._cleanup_handoff()
                 raise WorkerDiedError(
                     "a vLLM worker process died during extraction; this engine is unusable. Outputs "
                     "already written are complete; rerun to resume.") from e
@@ -274,11 +298,26 @@ class ExtractionEngine:
             raise CaptureError(f"{len(errors)} of {len(ids)} prompts were not fully captured: {detail}")
         return [taken["states"][r] for r in ids]
 
+    def _copy_out(self, taken: dict) -> dict:
+        """Per request, per layer tensors of their own (from the arena blocks, or as pickled)."""
+        import torch
+
+        states = taken["states"]
+        if self._handoff_prefix is None:
+            return states
+        dtype = getattr(torch, taken["dtype"])
+        out = {r: [self._reader.assemble(blocks, taken["hidden"], dtype) for blocks in layers]
+               for r, layers in states.items()}
+        self._reader.forget_except({p for layers in states.values() for blocks in layers for p, _, _ in blocks})
+        return out
+
     def _drive(self) -> None:
         core = self.core
         step = core.step_fn
         sched = core.scheduler
-        has_work = getattr(sched, "has_requests", None) or sched.has_unfinished_requests
+        # Unfinished requests only: like vLLM's own busy loop, the workers learn which requests
+        # finished with the next batch's first step, instead of through an extra empty step here.
+        has_work = sched.has_unfinished_requests
         idle = 0
         while has_work() or (getattr(core, "batch_queue", None) or ()):
             _, executed = step()
@@ -305,8 +344,7 @@ class ExtractionEngine:
     def _abandon(self, ids: list[str]) -> None:
         try:
             self.core.abort_requests(ids)
-            self.executor.collective_rpc("compat_capture_take", args=(ids,))
-            self._cleanup_handoff()
+            self.executor.collective_rpc("compat_capture_take", args=(ids, False))
         except Exception as e:  # the engine may be dead already; report, don't mask the real error
             logger.warning("could not clean up requests after a failure: %s", e)
 
@@ -322,7 +360,7 @@ class ExtractionEngine:
     def set_copy_mode(self, mode: str) -> None:
         """Switch the GPU -> host hand-off ("pinned" or "sync") between runs (benchmarks)."""
         self.opts.copy_mode = mode
-        self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids, mode))
+        self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids, mode, self._handoff_prefix))
 
     def stats(self) -> dict:
         st = dict(self._rpc_rank0("compat_capture_stats"))
@@ -333,12 +371,14 @@ class ExtractionEngine:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        self._cleanup_handoff()
+        if getattr(self, "_reader", None) is not None:
+            self._reader.close()
         try:
             self.core.shutdown()
         except Exception as e:
             if not sys.is_finalizing():  # at interpreter exit vLLM's own loggers may be gone
                 logger.warning("engine shutdown raised: %s", e)
+        self._cleanup_handoff()  # the workers are gone: remove any arena file they left
 
     def __enter__(self):
         return self

@@ -12,8 +12,14 @@ How rows are attributed (the part upstream got wrong):
     each contributes; the ``positions`` input gives each segment's token positions;
   * each segment is stored under (request id, start position); rows at positions >= the prompt
     length (a decode step) are dropped; nothing is ever attributed by offset across requests.
-``take`` concatenates a request's segments by position and checks that every position
-0..len-1 was captured exactly once.
+``take`` orders a request's segments by position and checks that every position 0..len-1 was
+captured exactly once.
+
+Where the rows go: the hooks write each step's kept rows straight into a reusable host arena (a
+file in /dev/shm the driver maps; on a GPU it is registered as pinned memory, so the device->host
+copy is one asynchronous DMA). ``take`` copies nothing: it hands back (file, offset, rows) for each
+segment and the driver copies them out into tensors of their own. The arena is rewound when the
+next batch is announced, so its size is the largest batch's states, reached once.
 
 Capture happens on tensor-parallel rank 0 only (after the row-parallel all-reduce every rank holds
 the full hidden state, so one copy is enough); other ranks install nothing.
@@ -74,10 +80,122 @@ def _layer_output(output: Any) -> torch.Tensor:
     return output
 
 
+SHM_ALIGN = 64  # bytes; every block in the arena starts aligned (any dtype, vectorised copies)
+
+
+class ArenaSpaceError(RuntimeError):
+    """The hand-off arena could not be allocated (/dev/shm too small?)."""
+
+
+class _Arena:
+    """Host buffers the capture hooks write rows into; rewound for each batch.
+
+    With ``prefix`` each buffer is a file in /dev/shm (space reserved with posix_fallocate, so a
+    full /dev/shm is a clear error here instead of a SIGBUS in a forward); without one it is
+    process memory and the rows travel back pickled. ``pin``: register the buffers with CUDA so
+    device->host copies into them are asynchronous DMAs.
+    """
+
+    def __init__(self, prefix: str | None, pin: bool):
+        self.prefix, self.pin = prefix, pin
+        self.buffers: list = []  # [path | None, uint8 tensor, pinned?]; the last one is current
+        self.used = 0
+        self._n = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers[-1][1].numel() if self.buffers else 0
+
+    def reset(self) -> None:
+        for buf in self.buffers[:-1]:
+            self._release(buf)
+        del self.buffers[:-1]
+        self.used = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` more (grow now, outside any forward)."""
+        if self.used + nbytes > self.capacity:
+            self._grow(self.used + nbytes)
+
+    def alloc(self, nbytes: int) -> tuple[int, int]:
+        """(buffer index, byte offset) of a fresh ``nbytes`` block."""
+        nbytes = -(-nbytes // SHM_ALIGN) * SHM_ALIGN
+        if self.used + nbytes > self.capacity:
+            self._grow(nbytes)
+            self.used = 0  # the new buffer starts empty; older ones stay until reset()
+        off = self.used
+        self.used += nbytes
+        return len(self.buffers) - 1, off
+
+    def view(self, idx: int, off: int, rows: int, hidden: int, dtype) -> torch.Tensor:
+        es = torch.empty((), dtype=dtype).element_size()
+        return self.buffers[idx][1][off: off + rows * hidden * es].view(dtype).view(rows, hidden)
+
+    def path(self, idx: int):
+        return self.buffers[idx][0]
+
+    def _grow(self, need: int) -> None:
+        size = max(need, 2 * self.capacity, 1 << 20)
+        size = -(-size // 4096) * 4096
+        self._n += 1
+        path = None
+        if self.prefix is None:
+            t = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            buf = [None, t, self.pin]
+        else:
+            path = f"{self.prefix}arena{self._n}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.close(fd)
+                os.unlink(path)
+                raise ArenaSpaceError(
+                    f"speculators_compat: cannot reserve {size / 2**20:.0f} MiB in {os.path.dirname(path)} "
+                    f"for captured hidden states ({e.strerror}). Give it more room (docker: --shm-size or "
+                    "--ipc=host), lower the batch, or set SPECULATORS_COMPAT_HANDOFF=rpc") from e
+            os.close(fd)
+            t = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            buf = [path, t, False]
+            if self.pin:
+                buf[2] = _host_register(t)
+        self.buffers.append(buf)
+        if len(self.buffers) == 1:
+            self.used = 0
+
+    def _release(self, buf) -> None:
+        path, t, pinned = buf
+        if pinned and path is not None:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        buf[1] = None
+        if path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        for buf in self.buffers:
+            self._release(buf)
+        self.buffers = []
+        self.used = 0
+
+
+def _host_register(t: torch.Tensor) -> bool:
+    """Page-lock a mapped hand-off file for the GPU (async DMA into it). False: copies stay synchronous."""
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    code = getattr(rc, "value", rc)
+    if code != 0:
+        logger.warning("speculators_compat: cudaHostRegister of the hand-off arena failed (%s); "
+                       "device->host copies of captured states will be synchronous", rc)
+        return False
+    return True
+
+
 @dataclass
 class _Segment:
     start: int
-    layers: list  # one [n, hidden] tensor per captured layer (host memory, or pending async copy)
+    layers: list  # per captured layer (in layer_ids order): (buffer index, byte offset, rows)
 
 
 @dataclass
@@ -88,8 +206,12 @@ class _CaptureState:
     segments: dict = field(default_factory=dict)  # req_id -> list[_Segment]
     scheduler_output: Any = None
     layout: Any = None  # (req_ids, counts, starts) of the current forward (positions checked)
-    rows: dict = field(default_factory=dict)  # layer id -> tensor for the current forward
+    plan: Any = None  # this forward's kept rows: (source rows: slice | index tensor, [(rid, start, n, row)])
+    rows: dict = field(default_factory=dict)  # layer id -> (buffer, offset) or tensor (record_all)
     copy_mode: str = "pinned"
+    arena: Any = None
+    hidden: int = 0
+    dtype: Any = None
     pending_event: Any = None
     record_all: bool = False
     all_rows: list = field(default_factory=list)
@@ -100,16 +222,20 @@ class _CaptureState:
     nonfinite: list = field(default_factory=list)  # device flags: did a step's layer hold NaN/Inf?
 
 
-def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy_mode: str | None = None) -> dict:
+def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy_mode: str | None = None,
+                    handoff_prefix: str | None = None) -> dict:
     """Install forward hooks for ``layer_ids`` (absolute decoder-layer indices) on ``worker``.
 
     ``record_all`` keeps every forward's rows in step order (upstream's worker contract) instead
-    of per announced request.
+    of per announced request. ``handoff_prefix``: path prefix of the /dev/shm arena files (None:
+    rows travel back pickled).
     """
     old = getattr(worker, "_compat_capture", None)
     if old is not None:
         for h in old.handles:
             h.remove()
+        if old.arena is not None:
+            old.arena.close()
         worker._compat_capture = None
     runner = worker.model_runner
     model = runner.model
@@ -130,6 +256,11 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy
     if mode not in ("pinned", "sync"):
         raise ValueError(f"{COPY_MODE_ENV} must be 'pinned' or 'sync', not {mode!r}")
     st = _CaptureState(layer_ids=list(layer_ids), copy_mode=mode, record_all=record_all)
+    mc = getattr(runner, "model_config", None)
+    if mc is not None:
+        st.hidden, st.dtype = int(mc.get_hidden_size()), mc.dtype
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    st.arena = _Arena(handoff_prefix, pin=on_gpu and mode == "pinned")
     worker._compat_capture = st
     _wrap_runner(runner, st)
     # vLLM's @support_torch_compile replaces the decoder stack's __call__, so hooks on the stack
@@ -142,6 +273,7 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy
     for lid in sorted(set(layer_ids)):
         st.handles.append(base.layers[lid].register_forward_hook(_make_layer_hook(st, lid, distribute)))
     info["capturing"] = True
+    info["handoff"] = "shm" if handoff_prefix else "rpc"
     return info
 
 
@@ -168,6 +300,7 @@ def _wrap_runner(runner, st: _CaptureState) -> None:
 def _make_pre_forward(runner, st: _CaptureState):
     def pre_forward(module, args, kwargs):
         st.layout = None
+        st.plan = None
         st.rows = {}
         so = st.scheduler_output
         if so is None or not (st.expected or st.record_all):
@@ -196,68 +329,95 @@ def _make_pre_forward(runner, st: _CaptureState):
         else:  # M-RoPE style positions: fall back to the runner's computed-token counts
             starts = [int(ib.num_computed_tokens_cpu[i]) for i in range(len(req_ids))]
         st.layout = (req_ids, counts, starts)
+        if not st.record_all:
+            st.plan = _plan_rows(st, req_ids, counts, starts,
+                                 positions.device if isinstance(positions, torch.Tensor) else None)
         return None
 
     return pre_forward
 
 
+def _plan_rows(st: _CaptureState, req_ids, counts, starts, device):
+    """Which rows of this forward to keep: prompt rows of announced requests, nothing else.
+
+    Returns (source, kept) where ``source`` selects the kept rows from the layer output (a slice
+    when they are one contiguous run, else an index tensor) and ``kept`` lists (request, start
+    position, rows, first row in the compacted block).
+    """
+    kept, ranges, offset, row = [], [], 0, 0
+    for rid, n, start in zip(req_ids, counts, starts):
+        plen = st.expected.get(rid)
+        if n and plen is not None and start < plen:
+            keep = min(n, plen - start)
+            kept.append((rid, start, keep, row))
+            ranges.append((offset, offset + keep))
+            row += keep
+        offset += n
+    if not kept:
+        return None
+    if all(a == b for (_, a), (b, _) in zip(ranges, ranges[1:])):
+        source = slice(ranges[0][0], ranges[-1][1])
+    else:
+        idx = torch.cat([torch.arange(a, b) for a, b in ranges])
+        source = idx.to(device) if device is not None else idx
+    return source, kept
+
+
 def _make_distribute(st: _CaptureState):
     def distribute():
-        req_ids, counts, starts = st.layout
         st.steps += 1
         if st.record_all:
             st.all_rows.append([st.rows[lid] for lid in sorted(set(st.layer_ids))])
-        offset = 0
-        for rid, n, start in zip(req_ids, counts, starts):
-            plen = st.expected.get(rid)
-            if n and plen is not None and start < plen:
-                keep = min(n, plen - start)
-                layers = [st.rows[lid][offset : offset + keep] for lid in st.layer_ids]
+        elif st.plan is not None:
+            _, kept = st.plan
+            es = torch.empty((), dtype=st.dtype).element_size()
+            row_bytes = st.hidden * es
+            for rid, start, n, row in kept:
+                layers = [(st.rows[lid][0], st.rows[lid][1] + row * row_bytes, n) for lid in st.layer_ids]
                 st.segments.setdefault(rid, []).append(_Segment(start, layers))
-                st.tokens += keep
-            offset += n
+                st.tokens += n
         st.rows = {}
         st.layout = None
+        st.plan = None
 
     return distribute
 
 
-def take_captures(worker, req_ids: list[str], handoff_prefix: str | None = None) -> dict:
-    """Assembled captures for ``req_ids``: {"states": {rid: [per layer]}, "errors": {rid: msg}}.
+def take_captures(worker, req_ids: list[str], want_data: bool = True) -> dict:
+    """Captures for ``req_ids``: {"states": {rid: [per layer]}, "errors": {rid: msg}, "arena": ...}.
 
-    With ``handoff_prefix`` (a path prefix on a filesystem the driver shares, /dev/shm), each
-    (request, layer) tensor is written to its own file and only ``(path, shape, dtype)`` travels back
-    over the RPC; otherwise the tensors themselves are pickled through vLLM's message queue (slow for
-    hundreds of MB). Forgets the requests afterwards. Only the capturing rank returns data.
+    With a /dev/shm arena each layer is a list of (file, byte offset, rows) blocks in position
+    order, for the driver to copy out; otherwise each layer is a tensor (pickled over the RPC).
+    Forgets the requests afterwards (``want_data=False``: only that). Only the capturing rank
+    returns data.
     """
     st = getattr(worker, "_compat_capture", None)
     if st is None:
         return {"states": {}, "errors": {}, "rank_captures": False}
     t0 = time.perf_counter()
-    threads = torch.get_num_threads()
-    # vLLM pins workers to one torch thread; the hand-off copy is memory-bound: use more
-    torch.set_num_threads(max(threads, min(8, os.cpu_count() or 1)))
     try:
-        return _take(st, req_ids, handoff_prefix)
+        return _take(st, req_ids, want_data)
     finally:
-        torch.set_num_threads(threads)
         st.t_take += time.perf_counter() - t0
 
 
-def _take(st, req_ids, handoff_prefix):
+def _take(st, req_ids, want_data):
     _sync(st)
     flagged = bool(torch.stack(st.nonfinite).any()) if st.nonfinite else False
     st.nonfinite = []
+    arena = st.arena
     states, errors = {}, {}
     for rid in req_ids:
         plen = st.expected.pop(rid, None)
         segs = sorted(st.segments.pop(rid, []), key=lambda s: s.start)
+        if not want_data:
+            continue
         if plen is None:
             errors[rid] = "request was never announced to the worker"
             continue
         pos, problem = 0, None
         for s in segs:
-            n = s.layers[0].shape[0]
+            n = s.layers[0][2]
             if s.start != pos:
                 problem = (f"positions {pos}..{s.start - 1} missing" if s.start > pos
                            else f"positions {s.start}..{min(pos, s.start + n) - 1} captured twice")
@@ -270,42 +430,24 @@ def _take(st, req_ids, handoff_prefix):
             continue
         if flagged:  # slow path, only when some row somewhere was not finite
             bad = [st.layer_ids[j] for j in range(len(st.layer_ids))
-                   if not all(bool(torch.isfinite(s.layers[j]).all()) for s in segs)]
+                   if not all(bool(torch.isfinite(arena.view(b, o, n, st.hidden, st.dtype)).all())
+                              for b, o, n in (s.layers[j] for s in segs))]
             if bad:
                 errors[rid] = f"NaN/Inf hidden states in layer(s) {bad}"
                 continue
-        if handoff_prefix is not None:
-            states[rid] = [_write_shared(f"{handoff_prefix}{_uid(rid)}-{j}", [s.layers[j] for s in segs])
+        if arena.prefix is not None:
+            states[rid] = [[(arena.path(b), o, n) for b, o, n in (s.layers[j] for s in segs)]
                            for j in range(len(st.layer_ids))]
         else:
-            states[rid] = [torch.cat([s.layers[j] for s in segs], dim=0) if len(segs) > 1
-                           # clone: a view would pickle its whole step's storage across the RPC
-                           else segs[0].layers[j].clone() for j in range(len(st.layer_ids))]
-    return {"states": states, "errors": errors, "rank_captures": True}
+            states[rid] = [_gather(arena, [s.layers[j] for s in segs], st.hidden, st.dtype)
+                           for j in range(len(st.layer_ids))]
+    return {"states": states, "errors": errors, "rank_captures": True,
+            "hidden": st.hidden, "dtype": str(st.dtype).replace("torch.", "")}
 
 
-def _uid(rid: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in rid)
-
-
-def _write_shared(path: str, parts: list) -> tuple:
-    """Concatenate ``parts`` (row blocks of one layer) into a new file at ``path``; return its descriptor."""
-    rows = sum(p.shape[0] for p in parts)
-    hidden = parts[0].shape[1]
-    dtype = parts[0].dtype
-    nbytes = rows * hidden * parts[0].element_size()
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-    dst = torch.from_file(path, shared=True, size=rows * hidden, dtype=dtype).view(rows, hidden)
-    r = 0
-    for p in parts:
-        dst[r : r + p.shape[0]].copy_(p)
-        r += p.shape[0]
-    del dst  # unmap; the file keeps the data until the driver maps and unlinks it
-    return ("file", path, (rows, hidden), str(dtype).replace("torch.", ""))
+def _gather(arena, blocks, hidden, dtype) -> torch.Tensor:
+    views = [arena.view(b, o, n, hidden, dtype) for b, o, n in blocks]
+    return views[0].clone() if len(views) == 1 else torch.cat(views, dim=0)
 
 
 def take_all_rows(worker):
@@ -316,6 +458,7 @@ def take_all_rows(worker):
     _sync(st)
     out = [torch.cat([step[j] for step in st.all_rows], dim=0) for j in range(len(st.all_rows[0]))]
     st.all_rows = []
+    st.nonfinite = []  # upstream's contract has no NaN check; don't let the flags pile up
     return out
 
 
@@ -331,17 +474,26 @@ class CaptureExtension:
     def compat_ping(self) -> str:
         return "speculators_compat"
 
-    def compat_capture_setup(self, layer_ids: list[int], copy_mode: str | None = None) -> dict:
-        return install_capture(self, layer_ids, copy_mode=copy_mode)
+    def compat_capture_setup(self, layer_ids: list[int], copy_mode: str | None = None,
+                             handoff_prefix: str | None = None) -> dict:
+        return install_capture(self, layer_ids, copy_mode=copy_mode, handoff_prefix=handoff_prefix)
 
     def compat_capture_expect(self, expected: dict) -> None:
-        """Announce request ids and their prompt lengths before they are scheduled."""
+        """Announce request ids and their prompt lengths before they are scheduled; size the arena."""
         st = getattr(self, "_compat_capture", None)
-        if st is not None:
-            st.expected.update(expected)
+        if st is None:
+            return
+        if not st.segments:  # every earlier batch was taken: its rows were copied out
+            st.arena.reset()
+        if st.hidden and st.dtype is not None:  # before accepting the batch: a failure leaves no trace
+            es = torch.empty((), dtype=st.dtype).element_size()
+            rows = sum(expected.values())
+            # kept rows + per-block alignment for up to one block per (request, layer, step)
+            st.arena.reserve(len(st.layer_ids) * (rows * st.hidden * es + SHM_ALIGN * (len(expected) + 8)))
+        st.expected.update(expected)
 
-    def compat_capture_take(self, req_ids: list[str], handoff_prefix: str | None = None) -> dict:
-        return take_captures(self, req_ids, handoff_prefix)
+    def compat_capture_take(self, req_ids: list[str], want_data: bool = True) -> dict:
+        return take_captures(self, req_ids, want_data)
 
     def compat_capture_reset(self) -> None:
         st = getattr(self, "_compat_capture", None)
@@ -355,7 +507,8 @@ class CaptureExtension:
         if st is None:
             return {}
         return {"steps": st.steps, "tokens": st.tokens, "pending_requests": len(st.segments),
-                "copy_mode": st.copy_mode, "hook_s": round(st.t_hooks, 3), "take_s": round(st.t_take, 3)}
+                "copy_mode": st.copy_mode, "hook_s": round(st.t_hooks, 3),
+                "take_s": round(st.t_take, 3), "arena_bytes": st.arena.capacity if st.arena else 0}
 
 
 def _make_layer_hook(st: _CaptureState, lid: int, distribute):
@@ -365,29 +518,78 @@ def _make_layer_hook(st: _CaptureState, lid: int, distribute):
         if st.layout is None:
             return None
         t0 = time.perf_counter()
-        total = sum(st.layout[1])
-        out = _layer_output(output)[:total].detach()
-        # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
-        st.nonfinite.append(~torch.isfinite(out).all())
-        if out.device.type == "cpu":
-            # A fresh tensor (hidden + residual) can be kept as is; the layer's own output buffer
-            # may be updated in place by the next layer's fused add-norm, so copy that one.
-            st.rows[lid] = out.clone() if out.data_ptr() == _first_ptr(output) else out
-        elif st.copy_mode == "pinned":
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)
-            st.rows[lid] = host
-            ev = torch.cuda.Event()
-            ev.record()
-            st.pending_event = ev
-        else:
-            st.rows[lid] = out.cpu()
-        if len(st.rows) == n_layers:
+        if st.record_all:
+            st.rows[lid] = _record_rows(st, output)
+        elif st.plan is not None:
+            st.rows[lid] = _store_rows(st, output)
+        if len(st.rows) == n_layers or st.plan is None and not st.record_all:
             distribute()
         st.t_hooks += time.perf_counter() - t0
         return None
 
     return hook
+
+
+def _store_rows(st: _CaptureState, output: Any) -> tuple[int, int]:
+    """Write this forward's kept rows of one layer into the arena; returns (buffer, offset)."""
+    source, kept = st.plan
+    rows = kept[-1][3] + kept[-1][2]
+    if isinstance(output, tuple):
+        hidden, residual = output[0], (output[1] if len(output) > 1 else None)
+        if not isinstance(residual, torch.Tensor):
+            residual = None
+    else:
+        hidden, residual = output, None
+    pick = (lambda t: t[source]) if isinstance(source, slice) else (lambda t: t.index_select(0, source))
+    h = pick(hidden.detach())
+    if st.dtype is None or h.shape[-1] != st.hidden or h.dtype != st.dtype:  # first capture defines them
+        st.hidden, st.dtype = int(h.shape[-1]), h.dtype
+    b, off = st.arena.alloc(rows * st.hidden * h.element_size())
+    dst = st.arena.view(b, off, rows, st.hidden, st.dtype)
+    if h.device.type == "cpu":
+        # one pass: the residual stream (hidden + residual) lands in the arena directly
+        if residual is not None:
+            torch.add(h, pick(residual.detach()), out=dst)
+        else:
+            dst.copy_(h)
+        st.nonfinite.append(_nonfinite_flag(dst))
+    else:
+        val = h + pick(residual.detach()) if residual is not None else h
+        # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
+        st.nonfinite.append(_nonfinite_flag(val))
+        if st.arena.buffers[b][2]:  # pinned (page-locked) arena: an asynchronous DMA
+            dst.copy_(val, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            st.pending_event = ev
+        else:
+            dst.copy_(val)
+    return b, off
+
+
+def _nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool: might ``t`` hold NaN/Inf? One float32 sum, no boolean mask: any NaN or Inf makes
+    the sum non-finite, so nothing is missed; a finite sum that overflows (|values| ~1e38) only sends
+    take() down its exact per-request check."""
+    return ~torch.isfinite(t.sum(dtype=torch.float32))
+
+
+def _record_rows(st: _CaptureState, output: Any) -> torch.Tensor:
+    """All rows of this forward as a host tensor of its own (upstream's record-everything contract)."""
+    total = sum(st.layout[1])
+    out = _layer_output(output)[:total].detach()
+    st.nonfinite.append(~torch.isfinite(out).all())
+    if out.device.type == "cpu":
+        # hidden + residual is a fresh tensor; a bare layer output may be updated in place later
+        return out.clone() if out.data_ptr() == _first_ptr(output) else out
+    if st.copy_mode == "pinned":
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        st.pending_event = ev
+        return host
+    return out.cpu()
 
 
 def _first_ptr(output: Any) -> int:

@@ -24,9 +24,16 @@ from ..registry import Patch
 logger = logging.getLogger("speculators_compat")
 
 
-def _request_params(Request) -> set[str]:
+_params_cache: dict[Any, frozenset] = {}
+
+
+def _request_params(Request) -> frozenset:
+    # keyed by the __init__ object itself, so applying or reverting a patch is seen at once
     init = getattr(Request.__init__, "__wrapped__", Request.__init__)
-    return set(inspect.signature(init).parameters)
+    params = _params_cache.get(init)
+    if params is None:
+        params = _params_cache[init] = frozenset(inspect.signature(init).parameters)
+    return params
 
 
 def build_request(request_id: str, prompt: list[int], sampling_params, *, block_hasher=None,

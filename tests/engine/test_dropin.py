@@ -54,6 +54,39 @@ def test_repeat_call_same_results(gen, llama_path, hf_ref):
             assert (x - y).abs().max().item() <= 1e-5
 
 
+def test_results_survive_later_calls_and_own_their_storage(gen, llama_path, hf_ref, tmp_path):
+    """The worker rewinds its hand-off arena for every batch: results already returned must be
+    copies, not views of it. A later call with other prompts overwrites the arena; the earlier
+    results must still match HF, and each tensor's storage must be exactly its own rows (so
+    torch.save of one sample writes that sample, nothing more)."""
+    import torch
+
+    first_prompts = models.random_prompts([600, 40, 333, 7], seed=21)
+    first = check(gen, llama_path, first_prompts, hf_ref)
+    # smaller than the first batch, so it is written over the same arena bytes
+    check(gen, llama_path, models.random_prompts([500, 30, 200], seed=22), hf_ref)
+    worst, bad = reference.compare([r["hidden_states"] for r in first], first_prompts,
+                                   hf_ref(llama_path, LAYERS), TOL)
+    assert not bad, f"earlier results changed after a later call (worst {worst})"
+    for r in first:
+        for h in r["hidden_states"]:
+            assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
+    torch.save(first[1], tmp_path / "s.pt")
+    payload = sum(h.numel() * h.element_size() for h in first[1]["hidden_states"])
+    assert (tmp_path / "s.pt").stat().st_size < payload + 64 * 1024
+
+
+def test_handoff_files_removed_at_close(llama_path):
+    import glob
+
+    g = VllmHiddenStatesGenerator(llama_path, layer_ids=[1], max_model_len=512, dtype="float32")
+    prefix = g.engine._handoff_prefix
+    g.generate(models.random_prompts([50, 60], seed=3))
+    assert prefix and glob.glob(prefix + "*"), "expected a /dev/shm arena while the engine lives"
+    g.close()
+    assert glob.glob(prefix + "*") == []
+
+
 def test_layer_convention_against_hf(gen, llama_path):
     """Upstream id L = output of decoder layer L before the final norm; the last layer (5) is NOT
     HF's last hidden_states entry (that one is after the norm)."""
