@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""Kimi-K2.5-shaped extraction on ONE GPU (issue: multi-GPU run; the single-H200 part).
+"""Kimi-K2.5-shaped extraction on one or more GPUs (the multi-GPU issue).
 
 Builds, on the GPU, a random-weight DeepSeek-V3-architecture model at Kimi-K2.5's width (hidden 7168,
 MLA q_lora 1536 / kv_lora 512 / 64 heads / qk_nope 128 / qk_rope 64 / v 128, vocab 163840, top-8
 routing with one shared expert) but few layers and experts (default 3 layers: 1 dense + 2 MoE, 16
-experts) in bf16 (no INT4 tooling on that machine), then runs the drop-in generator at TP=1 and
-compares every captured layer with HF transformers (float32, same GPU).
-    python scripts/gpu_kimi_shaped.py OUTDIR [--layers 3] [--experts 16] [--width 7168]
+experts) in bf16 (no INT4 tooling on that machine). For each tensor-parallel size in --tp it runs
+the drop-in generator, compares every captured layer with HF transformers (float32, GPU 0) and with
+the first TP size's states, and measures tokens/s on a 16 x 1024-token batch.
+--pipeline: the extract CLI at the largest TP size writing to local disk; a second run has one
+worker killed mid-run (must stop within 60 s, completed files intact), then resumes; the resumed
+dataset must be byte-identical to the uninterrupted one.
+    python scripts/gpu_kimi_shaped.py OUTDIR [--tp 1,2] [--pipeline] [--layers 3] [--experts 16]
 """
 import argparse
 import json
@@ -61,6 +65,8 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=7168)
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, e.g. 1,2")
+    ap.add_argument("--pipeline", action="store_true", help="only the pipeline + killed-worker check")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     report = {"layers": a.layers, "experts": a.experts, "width": a.width}
@@ -72,6 +78,10 @@ def main() -> int:
     print(json.dumps(report), flush=True)
     if a.build_only:
         return 0
+    if a.pipeline:
+        return pipeline_check(a, path, report)
+    import statistics
+
     import speculators_compat  # noqa: F401
     import torch
 
@@ -81,31 +91,138 @@ def main() -> int:
     layer_ids = list(range(a.layers))
     prompts = [[t % a.vocab for t in p] for p in models.random_prompts([5, 700, 37, 1500, 120, 64], seed=1,
                                                                           vocab=a.vocab)]
-    t = time.time()
-    with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=4096, dtype="bfloat16",
-                                   gpu_memory_utilization=0.5, max_num_batched_tokens=1024) as g:
-        report["engine_start_s"] = round(time.time() - t, 1)
-        report["model_class"] = g.engine.model_info
-        g.generate(prompts)  # warm-up (MoE kernels compile on first use)
+    bench = models.random_prompts([1024] * 16, seed=2, vocab=a.vocab)
+    tps = [int(x) for x in a.tp.split(",")]
+    results, runs = {}, {}
+    for tp in tps:
+        r = {}
         t = time.time()
-        res = g.generate(prompts)
-        report["generate_s"] = round(time.time() - t, 3)
-        report["tokens"] = sum(map(len, prompts))
+        with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=4096, dtype="bfloat16",
+                                       tensor_parallel_size=tp, gpu_memory_utilization=0.5,
+                                       max_num_batched_tokens=1024) as g:
+            r["engine_start_s"] = round(time.time() - t, 1)
+            r["model_class"] = g.engine.model_info
+            g.generate(prompts)  # warm-up (MoE kernels compile on first use)
+            t = time.time()
+            results[tp] = g.generate(prompts)
+            r["generate_s"] = round(time.time() - t, 3)
+            g.generate(bench)
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                g.generate(bench)
+                times.append(time.perf_counter() - t)
+            r["bench_tok_s_median"] = round(16 * 1024 / statistics.median(times))
+            r["bench_tok_s_spread"] = [round(16 * 1024 / max(times)), round(16 * 1024 / min(times))]
+        r["order_ok"] = all(x["input_ids"].tolist() == p for x, p in zip(results[tp], prompts))
+        runs[tp] = r
+        print(json.dumps({"tp": tp, **r}, default=str), flush=True)
+    report["tokens"] = sum(map(len, prompts))
     ref = reference.HFReference(path, layer_ids, device="cuda")
-    worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, ref, reference.TOLERANCE["bfloat16"])
-    per_layer = {}
-    for r, p in zip(res, prompts):
-        for j, lid in enumerate(layer_ids):
-            w = ref(p)[j]
-            e = float((r["hidden_states"][j].float().cpu() - w).norm() / w.norm())
-            per_layer[lid] = max(per_layer.get(lid, 0.0), e)
-    report.update({"worst_rel": worst, "per_layer_worst_rel": per_layer, "mismatches": len(bad),
-                   "order_ok": all(r["input_ids"].tolist() == p for r, p in zip(res, prompts)),
-                   "gpu": torch.cuda.get_device_name(0)})
+    ok = True
+    for tp in tps:
+        worst, bad = reference.compare([x["hidden_states"] for x in results[tp]], prompts, ref,
+                                       reference.TOLERANCE["bfloat16"])
+        per_layer = {}
+        for x, p in zip(results[tp], prompts):
+            for j, lid in enumerate(layer_ids):
+                w = ref(p)[j]
+                e = float((x["hidden_states"][j].float().cpu() - w).norm() / w.norm())
+                per_layer[lid] = max(per_layer.get(lid, 0.0), e)
+        runs[tp].update({"worst_rel_vs_hf": worst, "per_layer_worst_rel": per_layer, "mismatches": len(bad)})
+        ok = ok and not bad and runs[tp]["order_ok"]
+        if tp != tps[0]:  # against the first TP size, directly
+            rel = max(float((x.float() - y.float()).norm() / y.float().norm())
+                      for a_, b_ in zip(results[tp], results[tps[0]])
+                      for x, y in zip(a_["hidden_states"], b_["hidden_states"]))
+            runs[tp][f"worst_rel_vs_tp{tps[0]}"] = rel
+            ok = ok and rel <= reference.TOLERANCE["bfloat16"]
+    report.update({"runs": runs, "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count()})
     print(json.dumps(report, default=str), flush=True)
-    with open(os.path.join(a.out, "kimi_shaped.json"), "w") as f:
+    with open(os.path.join(a.out, f"kimi_shaped_tp{a.tp.replace(',', '-')}.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
-    return 0 if not bad else 1
+    return 0 if ok else 1
+
+
+def _read_dir(d):
+    import hashlib
+    from pathlib import Path
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(d).glob("data_*.pt"))}
+
+
+def pipeline_check(a, path, report) -> int:
+    """The extract CLI at TP=max(--tp): uninterrupted run, killed run, resume, byte-identical."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    from speculators_compat.testing import models
+
+    tp = max(int(x) for x in a.tp.split(","))
+    work = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kimi-pipeline")
+    os.makedirs(work, exist_ok=True)
+    jsonl = os.path.join(work, "in.jsonl")
+    prompts = models.random_prompts([700, 1500, 300, 1024, 64, 900] * 16, seed=5, vocab=a.vocab)
+    with open(jsonl, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"input_ids": p}) + "\n")
+    args = [sys.executable, "-m", "speculators_compat.cli", "extract", "--model", path, "--input", jsonl,
+            "--tensor-parallel-size", str(tp), "--batch-size", "8", "--max-model-len", "4096",
+            "--dtype", "bfloat16", "--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.5",
+            "--layer-ids", ",".join(str(i) for i in range(a.layers)), "--no-progress"]
+    r = {"tp": tp, "samples": len(prompts), "tokens": sum(map(len, prompts))}
+    ref_out, out = os.path.join(work, "ref"), os.path.join(work, "run")
+    t = time.time()
+    ref = subprocess.run(args + ["--output", ref_out], capture_output=True, text=True)
+    r["uninterrupted_s"] = round(time.time() - t, 1)
+    r["uninterrupted_summary"] = [ln for ln in ref.stdout.splitlines() if ln.startswith("summary:")]
+    if ref.returncode != 0:
+        print(ref.stdout[-3000:], ref.stderr[-5000:])
+        return 1
+    p = subprocess.Popen(args + ["--output", out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while p.poll() is None and len([f for f in os.listdir(out) if f.startswith("data_")] if os.path.isdir(out) else []) < 24:
+        time.sleep(0.2)
+    workers = []
+    for c in psutil.Process(p.pid).children(recursive=True):
+        try:
+            if "VLLM::Worker" in " ".join(c.cmdline()) or "VllmWorker" in c.name():  # vLLM retitles them
+                workers.append(c)
+        except psutil.Error:
+            continue
+    r["workers_seen"] = len(workers)
+    if p.poll() is not None or not workers:
+        print("could not kill a worker mid-run:", p.poll(), p.stdout.read()[-3000:])
+        return 1
+    os.kill(workers[-1].pid, signal.SIGKILL)
+    t = time.time()
+    try:
+        log, _ = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        r["stopped_after_kill_s"] = None
+        print(json.dumps(r))
+        return 1
+    r["stopped_after_kill_s"] = round(time.time() - t, 1)
+    r["killed_rc"] = p.returncode
+    r["error_named"] = "worker process died" in log
+    done = [f for f in os.listdir(out) if f.startswith("data_")]
+    r["files_at_kill"] = len(done)
+    import torch
+
+    r["files_intact"] = all(torch.load(os.path.join(out, f), weights_only=True) is not None for f in done)
+    t = time.time()
+    again = subprocess.run(args + ["--output", out], capture_output=True, text=True)
+    r["resume_s"] = round(time.time() - t, 1)
+    r["resume_rc"] = again.returncode
+    r["byte_identical"] = _read_dir(out) == _read_dir(ref_out) and len(_read_dir(ref_out)) == len(prompts)
+    report["pipeline"] = r
+    print(json.dumps(report, default=str), flush=True)
+    with open(os.path.join(a.out, f"kimi_pipeline_tp{tp}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    ok = r["byte_identical"] and r["error_named"] and r["stopped_after_kill_s"] < 60 and r["files_intact"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

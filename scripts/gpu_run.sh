@@ -3,7 +3,8 @@
 # /tmp/site): expose this source tree with its vLLM plugin entry point, then run the GPU checks.
 #   bash scripts/gpu_run.sh correctness OUTDIR     # engines vs HF on the GPU, async keep/disable
 #   bash scripts/gpu_run.sh bench OUTDIR           # throughput: raw vLLM vs generate vs pipeline vs HF
-#   bash scripts/gpu_run.sh kimi OUTDIR            # Kimi-K2.5-width DeepSeek-V3 model, few layers, TP=1
+#   bash scripts/gpu_run.sh kimi OUTDIR [ARGS]     # Kimi-K2.5-width DeepSeek-V3 model, few layers
+#        (ARGS to scripts/gpu_kimi_shaped.py, e.g. --tp 1,2, or --tp 2 --pipeline)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
@@ -13,13 +14,13 @@ d="$SITE/speculators_compat-0.1.0.dist-info"   # so vLLM finds our vllm.general_
 mkdir -p "$d"
 printf 'Metadata-Version: 2.1\nName: speculators-compat\nVersion: 0.1.0\n' > "$d/METADATA"
 printf '[vllm.general_plugins]\nspeculators_compat = speculators_compat.plugin:register\n' > "$d/entry_points.txt"
-mode=${1:?correctness or bench}; out=${2:?output dir}; mkdir -p "$out"
+mode=${1:?correctness or bench}; out=${2:?output dir}; shift 2; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 if [ "$mode" = kimi ]; then
-  python3 scripts/gpu_kimi_shaped.py "$out" 2>&1 | tee "$out/kimi.log" | grep -v "^INFO"
+  python3 scripts/gpu_kimi_shaped.py "$out" "$@" 2>&1 | tee -a "$out/kimi.log" | grep -v "^INFO"
 elif [ "$mode" = bench ]; then
-  python3 benchmarks/throughput.py --model llama-1b --batch 32 --seq 1024 --reps 3 --dtype bfloat16 \
-      --max-num-batched-tokens 8192 --copy-modes pinned,sync --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | grep -v "^INFO"
+  python3 benchmarks/throughput.py --model llama-1b --batch 32 --seq 1024 --batches 2 --reps 3 --dtype bfloat16 \
+      --max-num-batched-tokens 8192 --copy-modes pinned,sync --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log" | grep -v "^INFO"
 else
   python3 scripts/gpu_check.py "$out" 2>&1 | tee "$out/correctness.log" | grep -v "^INFO"
 fi
