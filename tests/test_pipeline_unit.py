@@ -108,3 +108,35 @@ def test_writer_failure_surfaces_and_keeps_written_files(tmp_path, mocker):
     assert torch.load(tmp_path / "data_0.pt", weights_only=True)["input_ids"].tolist() == [1, 2]
     assert not list(tmp_path.glob(".data_*.partial"))
     assert os.path.exists(tmp_path / "checksums.jsonl")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_parallel_writer_writes_every_file_with_its_checksum(tmp_path, threads):
+    torch = pytest.importorskip("torch")
+    import hashlib
+    import json
+
+    from speculators_compat.pipeline import writer as w
+
+    out = OutputDir(tmp_path)
+    out.prepare({"m": 1})
+    bw = w.BackgroundWriter(out, queue_size=1, threads=threads)
+    for b in range(4):
+        bw.put([(b * 5 + i, {"input_ids": torch.arange(3 + i), "hidden_states": [torch.full((3 + i, 8), float(i))],
+                             "loss_mask": torch.ones(3 + i, dtype=torch.long)}) for i in range(5)])
+    bw.close()
+    recs = [json.loads(line) for line in (tmp_path / "checksums.jsonl").read_text().splitlines()]
+    assert sorted(r["index"] for r in recs) == list(range(20))
+    for r in recs:
+        data = (tmp_path / r["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == r["sha256"] and len(data) == r["bytes"]
+        assert torch.load(tmp_path / r["file"], weights_only=True)["input_ids"].numel() == r["tokens"]
+
+
+def test_writer_threads_must_be_positive(tmp_path):
+    from speculators_compat.pipeline import writer as w
+
+    out = OutputDir(tmp_path)
+    out.prepare({"m": 1})
+    with pytest.raises(ValueError, match="writer threads"):
+        w.BackgroundWriter(out, threads=0)

@@ -34,6 +34,7 @@ WORKER_EXTENSION = "speculators_compat.engine.worker.CaptureExtension"
 ASYNC_ENV = "SPECULATORS_COMPAT_ASYNC"
 ASYNC_CHOICES = ("disable", "keep")
 HANDOFF_ENV = "SPECULATORS_COMPAT_HANDOFF"  # "shm" (default: files in /dev/shm) | "rpc" (pickled)
+COPY_THREADS = 16  # driver threads copying captured rows out of the hand-off arena
 
 
 def _handoff_prefix(uid: str) -> str | None:
@@ -306,8 +307,17 @@ class ExtractionEngine:
         if self._handoff_prefix is None:
             return states
         dtype = getattr(torch, taken["dtype"])
-        out = {r: [self._reader.assemble(blocks, taken["hidden"], dtype) for blocks in layers]
-               for r, layers in states.items()}
+        # The copy is memory-bound (fresh pages): use the cores. vLLM pins the driver to one torch
+        # thread for the engine's sake; the engine is idle while we copy.
+        prev, want = torch.get_num_threads(), min(COPY_THREADS, os.cpu_count() or 1)
+        if prev < want:
+            torch.set_num_threads(want)
+        try:
+            out = {r: [self._reader.assemble(blocks, taken["hidden"], dtype) for blocks in layers]
+                   for r, layers in states.items()}
+        finally:
+            if prev < want:
+                torch.set_num_threads(prev)
         self._reader.forget_except({p for layers in states.values() for blocks in layers for p, _, _ in blocks})
         return out
 

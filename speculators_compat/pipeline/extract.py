@@ -48,7 +48,7 @@ def count_samples(path: str | Path) -> int | None:
 
 def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, batch_size: int = 8,
                 max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
-                queue_size: int = 2, progress: bool = True, generator=None,
+                queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
                 layer_id_convention: str = "upstream", **gen_kwargs) -> dict[str, Any]:
     import torch
 
@@ -78,7 +78,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 "dtype": str(generator.vllm_config.model_config.dtype).replace("torch.", "")}
     out = OutputDir(output, fmt)
     done = out.prepare(run_info)
-    writer = BackgroundWriter(out, queue_size)
+    writer = BackgroundWriter(out, queue_size, writer_threads)
     bar = _progress(total, progress, initial=0)
     stats = {"samples_seen": 0, "skipped_done": 0, "computed": 0, "written_new": 0, "tokens": 0,
              "truncated": [], "skipped_overlength": []}
@@ -172,7 +172,7 @@ def main_extract(args) -> int:
     summary = run_extract(
         args.model, args.input, args.output, layer_ids=args.layer_ids, batch_size=args.batch_size,
         max_samples=args.max_samples, fmt=args.format, on_overlength=args.on_overlength,
-        queue_size=args.queue_size, progress=not args.no_progress,
+        queue_size=args.queue_size, progress=not args.no_progress, writer_threads=args.writer_threads,
         layer_id_convention=args.layer_id_convention, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, quantization=args.quantization,
         trust_remote_code=args.trust_remote_code, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -11,6 +11,16 @@ def _layer_ids(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--layer-ids must be comma-separated integers, not {s!r}") from e
 
 
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, not {s!r}")
+    return v
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory (or hub id, if reachable)")
     p.add_argument("--layer-ids", type=_layer_ids, default=None,
@@ -39,6 +49,8 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", choices=("disable", "keep"), default=None)
     p.add_argument("--on-overlength", choices=("truncate", "error", "skip"), default="truncate")
     p.add_argument("--queue-size", type=int, default=2, help="batches waiting to be written (bounds memory)")
+    p.add_argument("--writer-threads", type=_positive_int, default=None,
+                   help="files written in parallel (default: min(4, CPUs))")
     p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
     p.add_argument("--no-progress", action="store_true")
 

@@ -157,13 +157,22 @@ class OutputDir:
 class BackgroundWriter:
     """Writes (index, sample) items on a thread; ``queue_size`` bounds what waits in memory."""
 
-    def __init__(self, out: OutputDir, queue_size: int = 2):
+    def __init__(self, out: OutputDir, queue_size: int = 2, threads: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.out = out
         self.q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.error: BaseException | None = None
         self.written = 0
         self.bytes = 0
         self._sums = open(out.root / "checksums.jsonl", "a", encoding="utf-8")
+        self._lock = threading.Lock()
+        # Files of one batch are written in parallel (hashing and file writes release the GIL);
+        # the next batch waits, so memory stays bounded by queue_size + 1 batches.
+        n = threads if threads is not None else min(4, os.cpu_count() or 1)
+        if n < 1:
+            raise ValueError(f"writer threads must be >= 1, not {n}")
+        self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="speculators-compat-write") if n > 1 else None
         self._t = threading.Thread(target=self._loop, name="speculators-compat-writer", daemon=True)
         self._t.start()
 
@@ -184,20 +193,31 @@ class BackgroundWriter:
             if self.error is not None:
                 continue  # drain: never block the producer after a failure
             try:
-                for index, sample in items:
-                    name = file_name(index, self.out.fmt)
-                    digest, nbytes = write_sample(self.out.root / name, sample, self.out.fmt)
-                    rec = {"index": index, "file": name, "sha256": digest, "bytes": nbytes,
-                           "tokens": int(sample["input_ids"].numel())}
-                    self._sums.write(json.dumps(rec) + "\n")
-                    self._sums.flush()
-                    self.written += 1
-                    self.bytes += nbytes
+                if self._pool is None:
+                    for item in items:
+                        self._write_one(item)
+                else:
+                    for f in [self._pool.submit(self._write_one, item) for item in items]:
+                        f.result()  # re-raises the first failure
             except BaseException as e:  # disk full, permissions: surfaced to the producer by check()
                 self.error = e
+
+    def _write_one(self, item: tuple[int, dict]) -> None:
+        index, sample = item
+        name = file_name(index, self.out.fmt)
+        digest, nbytes = write_sample(self.out.root / name, sample, self.out.fmt)
+        rec = {"index": index, "file": name, "sha256": digest, "bytes": nbytes,
+               "tokens": int(sample["input_ids"].numel())}
+        with self._lock:
+            self._sums.write(json.dumps(rec) + "\n")
+            self._sums.flush()
+            self.written += 1
+            self.bytes += nbytes
 
     def close(self) -> None:
         self.q.put(None)
         self._t.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self._sums.close()
         self.check()
