@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     ap.add_argument("--layers", default=None, help="comma-separated layer ids (default: upstream's 4)")
     ap.add_argument("--copy-modes", default="pinned", help="GPU: e.g. 'pinned,sync' to compare hand-offs")
+    ap.add_argument("--host-allocs", default="auto", help="GPU: e.g. 'malloc,pinned': where the driver's copies live")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write the figures here too")
     a = ap.parse_args(argv)
@@ -108,12 +109,15 @@ def main(argv=None) -> int:
         llm, raw = make_raw()
         gen, ours = make_ours()
         raw(), ours()  # warm-up
+        allocs = a.host_allocs.split(",")
         for _ in range(a.reps):
             rec("raw", _timed(raw))
-            for m in copy_modes:
-                gen.engine.set_copy_mode(m)
-                rec(f"generate[{m}]", _timed(ours))
-            rec("pipeline", _timed(pipeline_fn(gen)))
+            for h in allocs:
+                gen.engine.set_host_alloc(h)
+                for m in copy_modes:
+                    gen.engine.set_copy_mode(m)
+                    rec(f"generate[{m}]" + (f"[{h}]" if len(allocs) > 1 else ""), _timed(ours))
+                rec("pipeline" + (f"[{h}]" if len(allocs) > 1 else ""), _timed(pipeline_fn(gen)))
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
         del llm
@@ -164,9 +168,13 @@ def main(argv=None) -> int:
     print("|---|---|---|---|")
     for k, r in rows.items():
         print(f"| {k} | {r['tok_s_median']:,.0f} | {r['tok_s_min']:,.0f} - {r['tok_s_max']:,.0f} | {r['runs']} |")
+    ratios = {}
+    for gen_key in [k for k in rows if k.startswith("generate")]:
+        ratios[f"{gen_key}/raw"] = rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"]
+        alloc = gen_key[gen_key.rindex("["):] if gen_key.count("[") > 1 else ""
+        if "pipeline" + alloc in rows:
+            ratios[f"pipeline{alloc}/{gen_key}"] = rows["pipeline" + alloc]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     gen_key = next(k for k in rows if k.startswith("generate"))
-    ratios = {f"{gen_key}/raw": rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"],
-              f"pipeline/{gen_key}": rows["pipeline"]["tok_s_median"] / rows[gen_key]["tok_s_median"]}
     if "generate[sync]" in rows and "generate[pinned]" in rows:
         ratios["pinned/sync"] = rows["generate[pinned]"]["tok_s_median"] / rows["generate[sync]"]["tok_s_median"]
     if "hf" in rows:

@@ -67,9 +67,9 @@ def test_loop_reports_a_stall(mocker):
 
 def test_async_strategy_choice(monkeypatch):
     monkeypatch.delenv("SPECULATORS_COMPAT_ASYNC", raising=False)
+    assert resolve_async(None) == "keep"  # vLLM's choice: 2.3-2.7x faster engine loop on an H200
+    monkeypatch.setenv("SPECULATORS_COMPAT_ASYNC", "disable")
     assert resolve_async(None) == "disable"
-    monkeypatch.setenv("SPECULATORS_COMPAT_ASYNC", "keep")
-    assert resolve_async(None) == "keep"
     assert resolve_async("disable") == "disable"
     monkeypatch.setenv("SPECULATORS_COMPAT_ASYNC", "sometimes")
     with pytest.raises(ValueError, match="SPECULATORS_COMPAT_ASYNC"):

@@ -34,7 +34,6 @@ WORKER_EXTENSION = "speculators_compat.engine.worker.CaptureExtension"
 ASYNC_ENV = "SPECULATORS_COMPAT_ASYNC"
 ASYNC_CHOICES = ("disable", "keep")
 HANDOFF_ENV = "SPECULATORS_COMPAT_HANDOFF"  # "shm" (default: files in /dev/shm) | "rpc" (pickled)
-COPY_THREADS = 16  # driver threads copying captured rows out of the hand-off arena
 
 
 def _handoff_prefix(uid: str) -> str | None:
@@ -50,15 +49,41 @@ def _handoff_prefix(uid: str) -> str | None:
     return os.path.join(d, f"speculators-compat-{uid}-")
 
 
+HOST_ALLOC_ENV = "SPECULATORS_COMPAT_HOST_ALLOC"
+HOST_ALLOC_CHOICES = ("auto", "pinned", "malloc")
+
+
 class _ArenaReader:
     """Driver side of the /dev/shm hand-off: maps the worker's arena files, copies rows out.
 
     Every returned tensor is a fresh copy that owns its storage (so ``torch.save`` of one layer of
     one sample writes just that), and the worker may rewind the arena as soon as ``run`` returns.
+
+    Where the copies live (``SPECULATORS_COMPAT_HOST_ALLOC``): fresh pages cost a page fault each,
+    which at GPU rates (hundreds of MB per call) dominates the copy. ``pinned`` takes them from
+    torch's caching pinned-memory allocator, which hands the same pages back call after call
+    (needs CUDA in this process; the cache keeps the peak of a few batches page-locked);
+    ``malloc`` uses plain memory; ``auto`` is ``pinned`` when CUDA is available, else ``malloc``.
     """
 
-    def __init__(self):
+    def __init__(self, mode: str | None = None):
         self._maps: dict[str, Any] = {}
+        self.set_mode(mode)
+
+    def set_mode(self, mode: str | None) -> None:
+        mode = mode or os.environ.get(HOST_ALLOC_ENV, "auto")
+        if mode not in HOST_ALLOC_CHOICES:
+            raise ValueError(f"{HOST_ALLOC_ENV} must be one of {HOST_ALLOC_CHOICES}, not {mode!r}")
+        if mode == "auto":
+            import torch
+
+            mode = "pinned" if torch.cuda.is_available() else "malloc"
+        self.mode = mode
+
+    def _empty(self, shape, dtype):
+        import torch
+
+        return torch.empty(shape, dtype=dtype, pin_memory=self.mode == "pinned")
 
     def _map(self, path: str):
         import torch
@@ -74,7 +99,8 @@ class _ArenaReader:
 
         es = torch.empty((), dtype=dtype).element_size()
         views = [self._map(p)[o: o + n * hidden * es].view(dtype).view(n, hidden) for p, o, n in blocks]
-        return views[0].clone() if len(views) == 1 else torch.cat(views, dim=0)
+        out = self._empty((sum(v.shape[0] for v in views), hidden), dtype)
+        return torch.cat(views, dim=0, out=out) if len(views) > 1 else out.copy_(views[0])
 
     def forget_except(self, live: set) -> None:
         for p in [p for p in self._maps if p not in live]:
@@ -106,7 +132,7 @@ class WorkerDiedError(RuntimeError):
 
 
 def resolve_async(strategy: str | None) -> str:
-    s = strategy if strategy is not None else os.environ.get(ASYNC_ENV, "disable")
+    s = strategy if strategy is not None else os.environ.get(ASYNC_ENV, "keep")
     if s not in ASYNC_CHOICES:
         raise ValueError(f"async scheduling strategy must be one of {ASYNC_CHOICES}, not {s!r} "
                          f"(argument async_scheduling or ${ASYNC_ENV})")
@@ -126,7 +152,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_expert_parallel: bool = False
-    async_scheduling: str | None = None  # "disable" | "keep" (None: $SPECULATORS_COMPAT_ASYNC or disable)
+    async_scheduling: str | None = None  # "disable" | "keep" (None: $SPECULATORS_COMPAT_ASYNC or keep)
     seed: int = 0
     enforce_eager: bool = True
     #: "fork" | "spawn" | None (vLLM's choice: CPU forces spawn; GPU forks unless CUDA is initialised)
@@ -307,17 +333,10 @@ class ExtractionEngine:
         if self._handoff_prefix is None:
             return states
         dtype = getattr(torch, taken["dtype"])
-        # The copy is memory-bound (fresh pages): use the cores. vLLM pins the driver to one torch
-        # thread for the engine's sake; the engine is idle while we copy.
-        prev, want = torch.get_num_threads(), min(COPY_THREADS, os.cpu_count() or 1)
-        if prev < want:
-            torch.set_num_threads(want)
-        try:
-            out = {r: [self._reader.assemble(blocks, taken["hidden"], dtype) for blocks in layers]
-                   for r, layers in states.items()}
-        finally:
-            if prev < want:
-                torch.set_num_threads(prev)
+        # One thread (vLLM sets the driver's torch threads to 1): on an H200 host, 16 threads made
+        # this copy 3.4x slower (page faults on fresh memory contend); see docs/gpu-results.md.
+        out = {r: [self._reader.assemble(blocks, taken["hidden"], dtype) for blocks in layers]
+               for r, layers in states.items()}
         self._reader.forget_except({p for layers in states.values() for blocks in layers for p, _, _ in blocks})
         return out
 
@@ -367,6 +386,10 @@ class ExtractionEngine:
         return build_request(rid, prompt, sp, block_hasher=self.core.request_block_hasher)
 
     # ------------------------------------------------------------------ lifecycle
+    def set_host_alloc(self, mode: str) -> None:
+        """Switch where copied-out states live ("pinned" | "malloc" | "auto") between runs (benchmarks)."""
+        self._reader.set_mode(mode)
+
     def set_copy_mode(self, mode: str) -> None:
         """Switch the GPU -> host hand-off ("pinned" or "sync") between runs (benchmarks)."""
         self.opts.copy_mode = mode
