@@ -224,14 +224,25 @@ class VllmHiddenStatesGenerator:
         self.close()
 
 
+def cuda_device_count() -> int:
+    """Visible CUDA devices, without initialising CUDA or poisoning fork (NVML where torch can)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda._is_compiled() else 0
+
+
 def _check_devices(tp: int) -> None:
     """Fail fast when tensor parallelism asks for more GPUs than this machine has."""
     try:
         import torch
     except ImportError:
         return
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
+    # device_count() asks NVML; torch.cuda.is_available() would call cudaGetDeviceCount, which
+    # poisons fork: vLLM (seeing CUDA not initialised) forks its workers and they die at start-up.
+    n = cuda_device_count()
+    if n > 0:
         if tp > n:
             raise ValueError(f"tensor_parallel_size={tp} but only {n} CUDA device(s) are visible")
     elif tp > (os.cpu_count() or 1):

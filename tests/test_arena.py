@@ -99,3 +99,21 @@ def test_nonfinite_flag_catches_every_bad_value(bad):
     assert not bool(w._nonfinite_flag(t))
     t[17, 5] = bad
     assert bool(w._nonfinite_flag(t))
+
+
+def test_driver_never_poisons_fork_before_the_engine_starts(monkeypatch):
+    """torch.cuda.is_available() calls cudaGetDeviceCount, which poisons fork: vLLM then forks its
+    GPU workers (CUDA not initialised) and they die at start-up (seen on an H200 with the extract
+    CLI). This CPU machine has no CUDA, so the seam is replaced: any call to is_available fails."""
+    from speculators_compat import generator
+    from speculators_compat.engine import core
+
+    def poisoned():
+        raise AssertionError("torch.cuda.is_available() called in the driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", poisoned)
+    generator._check_devices(1)
+    assert core._ArenaReader("auto").mode in ("pinned", "malloc")
+    from speculators_compat.pipeline import plan
+
+    plan._detect_gpu_gib()

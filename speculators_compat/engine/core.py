@@ -75,9 +75,9 @@ class _ArenaReader:
         if mode not in HOST_ALLOC_CHOICES:
             raise ValueError(f"{HOST_ALLOC_ENV} must be one of {HOST_ALLOC_CHOICES}, not {mode!r}")
         if mode == "auto":
-            import torch
+            from ..generator import cuda_device_count
 
-            mode = "pinned" if torch.cuda.is_available() else "malloc"
+            mode = "pinned" if cuda_device_count() > 0 else "malloc"
         self.mode = mode
 
     def _empty(self, shape, dtype):

@@ -199,7 +199,9 @@ def _detect_gpu_gib() -> float | None:
     try:
         import torch
 
-        if torch.cuda.is_available():
+        from ..generator import cuda_device_count
+
+        if cuda_device_count() > 0:  # not is_available(): that would poison fork for a later engine
             return torch.cuda.get_device_properties(0).total_memory / GiB
     except ImportError:
         return None
