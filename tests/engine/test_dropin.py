@@ -87,6 +87,20 @@ def test_handoff_files_removed_at_close(llama_path):
     assert glob.glob(prefix + "*") == []
 
 
+def test_rpc_handoff_matches_hf(llama_path, hf_ref, monkeypatch):
+    """SPECULATORS_COMPAT_HANDOFF=rpc (no /dev/shm, e.g. a container without it): the worker's arena
+    is process memory and the states travel pickled; same numbers, nothing left in /dev/shm."""
+    import glob
+
+    monkeypatch.setenv("SPECULATORS_COMPAT_HANDOFF", "rpc")
+    with VllmHiddenStatesGenerator(llama_path, layer_ids=LAYERS, max_model_len=2048, dtype="float32",
+                                   max_num_batched_tokens=128, max_num_seqs=4) as g:
+        assert g.engine._handoff_prefix is None
+        check(g, llama_path, models.random_prompts([300, 12, 129, 40, 7], seed=31), hf_ref)
+        check(g, llama_path, models.random_prompts([90, 5], seed=32), hf_ref)
+        assert not glob.glob(f"/dev/shm/speculators-compat-{g.engine._uid}-*")
+
+
 def test_layer_convention_against_hf(gen, llama_path):
     """Upstream id L = output of decoder layer L before the final norm; the last layer (5) is NOT
     HF's last hidden_states entry (that one is after the norm)."""
