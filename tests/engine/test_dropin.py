@@ -210,6 +210,9 @@ def test_deepseek_v3_mla_moe(vllm_version, hf_ref, capfd):
         logs = str(e) + cap.out + cap.err
         if "MLA is not supported on CPU" in logs:
             pytest.skip(f"vLLM {vllm_version}: its CPU backend says 'MLA is not supported on CPU'")
+        if "MLAPrefillBackend" in logs and "ImportError" in logs:  # seen on 0.28.0's CPU build
+            pytest.skip(f"vLLM {vllm_version}: its CPU build picks a FlashAttention MLA prefill backend "
+                        "it cannot import (ImportError in the worker)")
         raise
     prompts = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11], seed=31)
     with g:
