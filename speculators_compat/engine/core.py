@@ -97,7 +97,7 @@ class _ArenaReader:
     def assemble(self, blocks, hidden: int, dtype):
         import torch
 
-        es = torch.empty((), dtype=dtype).element_size()
+        es = dtype.itemsize
         views = [self._map(p)[o: o + n * hidden * es].view(dtype).view(n, hidden) for p, o, n in blocks]
         out = self._empty((sum(v.shape[0] for v in views), hidden), dtype)
         return torch.cat(views, dim=0, out=out) if len(views) > 1 else out.copy_(views[0])

@@ -128,7 +128,7 @@ class _Arena:
         return len(self.buffers) - 1, off
 
     def view(self, idx: int, off: int, rows: int, hidden: int, dtype) -> torch.Tensor:
-        es = torch.empty((), dtype=dtype).element_size()
+        es = dtype.itemsize
         return self.buffers[idx][1][off: off + rows * hidden * es].view(dtype).view(rows, hidden)
 
     def path(self, idx: int):
@@ -370,7 +370,7 @@ def _make_distribute(st: _CaptureState):
             st.all_rows.append([st.rows[lid] for lid in sorted(set(st.layer_ids))])
         elif st.plan is not None:
             _, kept = st.plan
-            es = torch.empty((), dtype=st.dtype).element_size()
+            es = st.dtype.itemsize
             row_bytes = st.hidden * es
             for rid, start, n, row in kept:
                 layers = [(st.rows[lid][0], st.rows[lid][1] + row * row_bytes, n) for lid in st.layer_ids]
@@ -486,7 +486,7 @@ class CaptureExtension:
         if not st.segments:  # every earlier batch was taken: its rows were copied out
             st.arena.reset()
         if st.hidden and st.dtype is not None:  # before accepting the batch: a failure leaves no trace
-            es = torch.empty((), dtype=st.dtype).element_size()
+            es = st.dtype.itemsize
             rows = sum(expected.values())
             # kept rows + per-block alignment for up to one block per (request, layer, step)
             st.arena.reserve(len(st.layer_ids) * (rows * st.hidden * es + SHM_ALIGN * (len(expected) + 8)))
@@ -522,7 +522,7 @@ def _make_layer_hook(st: _CaptureState, lid: int, distribute):
             st.rows[lid] = _record_rows(st, output)
         elif st.plan is not None:
             st.rows[lid] = _store_rows(st, output)
-        if len(st.rows) == n_layers or st.plan is None and not st.record_all:
+        if len(st.rows) == n_layers or (st.plan is None and not st.record_all):  # step done, or nothing to keep
             distribute()
         st.t_hooks += time.perf_counter() - t0
         return None
