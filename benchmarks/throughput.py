@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default=None, help="comma-separated layer ids (default: upstream's 4)")
     ap.add_argument("--copy-modes", default="pinned", help="GPU: e.g. 'pinned,sync' to compare hand-offs")
     ap.add_argument("--host-allocs", default="auto", help="GPU: e.g. 'malloc,pinned': where the driver's copies live")
+    ap.add_argument("--copy-threads", default="1", help="GPU: e.g. '1,8': threads copying states out in the driver")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write the figures here too")
     a = ap.parse_args(argv)
@@ -110,14 +111,18 @@ def main(argv=None) -> int:
         gen, ours = make_ours()
         raw(), ours()  # warm-up
         allocs = a.host_allocs.split(",")
+        threads = [int(x) for x in a.copy_threads.split(",")]
+        variants = [(h, n) for h in allocs for n in threads]
         for _ in range(a.reps):
             rec("raw", _timed(raw))
-            for h in allocs:
+            for h, n in variants:
                 gen.engine.set_host_alloc(h)
+                gen.engine.set_copy_threads(n)
+                tag = (f"[{h}]" if len(allocs) > 1 else "") + (f"[t{n}]" if len(threads) > 1 else "")
                 for m in copy_modes:
                     gen.engine.set_copy_mode(m)
-                    rec(f"generate[{m}]" + (f"[{h}]" if len(allocs) > 1 else ""), _timed(ours))
-                rec("pipeline" + (f"[{h}]" if len(allocs) > 1 else ""), _timed(pipeline_fn(gen)))
+                    rec(f"generate[{m}]" + tag, _timed(ours))
+                rec("pipeline" + tag, _timed(pipeline_fn(gen)))
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
         del llm
@@ -171,7 +176,7 @@ def main(argv=None) -> int:
     ratios = {}
     for gen_key in [k for k in rows if k.startswith("generate")]:
         ratios[f"{gen_key}/raw"] = rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"]
-        alloc = gen_key[gen_key.rindex("["):] if gen_key.count("[") > 1 else ""
+        alloc = gen_key[gen_key.index("]") + 1:]  # the variant tags after the copy mode
         if "pipeline" + alloc in rows:
             ratios[f"pipeline{alloc}/{gen_key}"] = rows["pipeline" + alloc]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     gen_key = next(k for k in rows if k.startswith("generate"))

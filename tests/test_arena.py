@@ -117,3 +117,46 @@ def test_driver_never_poisons_fork_before_the_engine_starts(monkeypatch):
     from speculators_compat.pipeline import plan
 
     plan._detect_gpu_gib()
+
+
+def test_threaded_copy_out_equals_single_thread_and_owns_storage(prefix):
+    """The driver's copy-out with a thread pool must give exactly the single-thread result, each
+    tensor owning exactly its rows, for requests whose layers span several blocks and files."""
+    from speculators_compat.engine import core
+
+    hidden, dtype = 1024, torch.bfloat16
+    a = w._Arena(prefix, pin=False)
+    a.reserve(4096)
+    states = {}
+    g = torch.Generator().manual_seed(3)
+    for r in range(7):
+        layers = []
+        for _ in range(3):
+            blocks = []
+            for rows in (40 + 5 * r, 3):  # two blocks per layer (a chunked prompt); grows the arena
+                b, off = a.alloc(rows * hidden * 2)
+                a.view(b, off, rows, hidden, dtype).copy_(torch.randn(rows, hidden, generator=g))
+                blocks.append((a.path(b), off, rows))
+            layers.append(blocks)
+        states[f"r{r}"] = layers
+    assert len({p for ls in states.values() for bl in ls for p, _, _ in bl}) > 1, "expected growth"
+    one = core._ArenaReader("malloc", threads=1).assemble_all(states, hidden, dtype)
+    reader = core._ArenaReader("malloc", threads=3)
+    many = reader.assemble_all(states, hidden, dtype)
+    assert reader._pool is not None, "three threads must use the pool"
+    assert list(many) == list(one)
+    for r in one:
+        for x, y in zip(one[r], many[r]):
+            assert torch.equal(x, y)
+            assert y.untyped_storage().nbytes() == y.numel() * y.element_size()
+    reader.close()
+    a.close()
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "four"])
+def test_copy_threads_env_is_checked(monkeypatch, bad):
+    from speculators_compat.engine import core
+
+    monkeypatch.setenv(core.COPY_THREADS_ENV, bad)
+    with pytest.raises(ValueError, match="SPECULATORS_COMPAT_COPY_THREADS"):
+        core._ArenaReader("malloc")

@@ -51,6 +51,18 @@ def _handoff_prefix(uid: str) -> str | None:
 
 HOST_ALLOC_ENV = "SPECULATORS_COMPAT_HOST_ALLOC"
 HOST_ALLOC_CHOICES = ("auto", "pinned", "malloc")
+COPY_THREADS_ENV = "SPECULATORS_COMPAT_COPY_THREADS"  # threads copying states out of the arena
+
+
+def copy_threads_from_env() -> int:
+    raw = os.environ.get(COPY_THREADS_ENV, "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{COPY_THREADS_ENV} must be a positive integer, not {raw!r}")
+    return n
 
 
 class _ArenaReader:
@@ -66,9 +78,22 @@ class _ArenaReader:
     ``malloc`` uses plain memory; ``auto`` is ``pinned`` when CUDA is available, else ``malloc``.
     """
 
-    def __init__(self, mode: str | None = None):
+    def __init__(self, mode: str | None = None, threads: int | None = None):
         self._maps: dict[str, Any] = {}
+        self._pool = None
+        self.threads = 1
         self.set_mode(mode)
+        self.set_threads(copy_threads_from_env() if threads is None else threads)
+
+    def set_threads(self, n: int) -> None:
+        """Copy with ``n`` threads (one request's layers per task). torch releases the GIL while
+        it copies; whether more threads help depends on the host (docs/gpu-results.md)."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"copy threads must be a positive integer, not {n!r}")
+        if self._pool is not None and n != self.threads:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.threads = n
 
     def set_mode(self, mode: str | None) -> None:
         mode = mode or os.environ.get(HOST_ALLOC_ENV, "auto")
@@ -102,11 +127,30 @@ class _ArenaReader:
         out = self._empty((sum(v.shape[0] for v in views), hidden), dtype)
         return torch.cat(views, dim=0, out=out) if len(views) > 1 else out.copy_(views[0])
 
+    def assemble_all(self, states: dict, hidden: int, dtype) -> dict:
+        """``{request: [tensor per layer]}`` from ``{request: [blocks per layer]}``."""
+        for layers in states.values():  # map every file here, so the worker threads only read
+            for blocks in layers:
+                for p, _, _ in blocks:
+                    self._map(p)
+        if self.threads == 1 or len(states) < 2:
+            return {r: [self.assemble(b, hidden, dtype) for b in layers] for r, layers in states.items()}
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="sc-copy")
+        futs = {r: self._pool.submit(lambda ls: [self.assemble(b, hidden, dtype) for b in ls], layers)
+                for r, layers in states.items()}
+        return {r: f.result() for r, f in futs.items()}
+
     def forget_except(self, live: set) -> None:
         for p in [p for p in self._maps if p not in live]:
             del self._maps[p]  # unmapped once no tensor refers to it
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._maps.clear()
 
 
@@ -235,6 +279,7 @@ class ExtractionEngine:
                 raise ValueError(f"worker_start_method must be 'fork' or 'spawn', not {opts.worker_start_method!r}")
             # config creation may have forced it (the CPU platform sets spawn); ours wins
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = opts.worker_start_method
+        self._reader = _ArenaReader()  # reads its settings from the environment: fail before starting
         executor_class = Executor.get_class(self.vllm_config)
         self._worker_failed = False
         self.core = EngineCore(self.vllm_config, executor_class, log_stats=False,
@@ -244,7 +289,6 @@ class ExtractionEngine:
         self._uid = uuid.uuid4().hex[:8]
         self._calls = 0
         self._handoff_prefix = _handoff_prefix(self._uid)
-        self._reader = _ArenaReader()
         self.timings = {"drive_s": 0.0, "handoff_s": 0.0}
         # Does collective_rpc(unique_reply_rank=0) hand back the value (0.12+) or a 1-list (0.11)?
         # Probe the behaviour instead of trusting a version number.
@@ -333,10 +377,10 @@ class ExtractionEngine:
         if self._handoff_prefix is None:
             return states
         dtype = getattr(torch, taken["dtype"])
-        # One thread (vLLM sets the driver's torch threads to 1): on an H200 host, 16 threads made
-        # this copy 3.4x slower (page faults on fresh memory contend); see docs/gpu-results.md.
-        out = {r: [self._reader.assemble(blocks, taken["hidden"], dtype) for blocks in layers]
-               for r, layers in states.items()}
+        # One thread by default (vLLM sets the driver's torch threads to 1): on an H200 host, 16
+        # threads copying into fresh pages made this 3.4x slower (their page faults contend); see
+        # docs/gpu-results.md for the measurements with reused (pinned) pages.
+        out = self._reader.assemble_all(states, taken["hidden"], dtype)
         self._reader.forget_except({p for layers in states.values() for blocks in layers for p, _, _ in blocks})
         return out
 
@@ -389,6 +433,10 @@ class ExtractionEngine:
     def set_host_alloc(self, mode: str) -> None:
         """Switch where copied-out states live ("pinned" | "malloc" | "auto") between runs (benchmarks)."""
         self._reader.set_mode(mode)
+
+    def set_copy_threads(self, n: int) -> None:
+        """Threads that copy states out of the arena in the driver (benchmarks; default 1)."""
+        self._reader.set_threads(n)
 
     def set_copy_mode(self, mode: str) -> None:
         """Switch the GPU -> host hand-off ("pinned" or "sync") between runs (benchmarks)."""

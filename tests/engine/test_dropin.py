@@ -76,6 +76,21 @@ def test_results_survive_later_calls_and_own_their_storage(gen, llama_path, hf_r
     assert (tmp_path / "s.pt").stat().st_size < payload + 64 * 1024
 
 
+def test_threaded_copy_out_matches_hf(gen, llama_path, hf_ref):
+    """SPECULATORS_COMPAT_COPY_THREADS > 1: the driver copies requests out in parallel; the results
+    must still be each prompt's own rows, in input order (13 prompts, reordered and chunked)."""
+    gen.engine.set_copy_threads(3)
+    try:
+        res = check(gen, llama_path, models.random_prompts([700, 5, 130, 37, 1500, 17, 64, 8, 256, 50, 99, 10, 11],
+                                                           seed=77), hf_ref)
+        assert gen.engine._reader._pool is not None
+        for r in res:
+            for h in r["hidden_states"]:
+                assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
+    finally:
+        gen.engine.set_copy_threads(1)
+
+
 def test_handoff_files_removed_at_close(llama_path):
     import glob
 
