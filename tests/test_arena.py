@@ -153,6 +153,16 @@ def test_threaded_copy_out_equals_single_thread_and_owns_storage(prefix):
     a.close()
 
 
+def test_copy_threads_auto(monkeypatch):
+    from speculators_compat.engine import core
+
+    monkeypatch.delenv(core.COPY_THREADS_ENV, raising=False)
+    assert core._ArenaReader("malloc").threads == 1  # CPU hosts: the engine needs the cores
+    assert 1 <= core.auto_copy_threads("pinned") <= 8
+    monkeypatch.setenv(core.COPY_THREADS_ENV, "3")
+    assert core._ArenaReader("malloc").threads == 3
+
+
 @pytest.mark.parametrize("bad", ["0", "-2", "four"])
 def test_copy_threads_env_is_checked(monkeypatch, bad):
     from speculators_compat.engine import core

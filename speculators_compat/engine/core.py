@@ -54,15 +54,31 @@ HOST_ALLOC_CHOICES = ("auto", "pinned", "malloc")
 COPY_THREADS_ENV = "SPECULATORS_COMPAT_COPY_THREADS"  # threads copying states out of the arena
 
 
-def copy_threads_from_env() -> int:
-    raw = os.environ.get(COPY_THREADS_ENV, "1")
+def copy_threads_from_env() -> int | None:
+    """The thread count asked for, or None for ``auto`` (the default)."""
+    raw = os.environ.get(COPY_THREADS_ENV, "auto")
+    if raw == "auto":
+        return None
     try:
         n = int(raw)
     except ValueError:
         n = 0
     if n < 1:
-        raise ValueError(f"{COPY_THREADS_ENV} must be a positive integer, not {raw!r}")
+        raise ValueError(f"{COPY_THREADS_ENV} must be 'auto' or a positive integer, not {raw!r}")
     return n
+
+
+def auto_copy_threads(host_alloc: str) -> int:
+    """8 threads (at most half the CPUs) where the copies land in reused pinned pages (GPU hosts:
+    1.35x on an H200 host, docs/gpu-results.md); 1 elsewhere. Into fresh pages more threads were
+    slower (page faults contend), and a CPU engine needs the cores itself."""
+    if host_alloc != "pinned":
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // 2))
 
 
 class _ArenaReader:
@@ -83,7 +99,8 @@ class _ArenaReader:
         self._pool = None
         self.threads = 1
         self.set_mode(mode)
-        self.set_threads(copy_threads_from_env() if threads is None else threads)
+        threads = copy_threads_from_env() if threads is None else threads
+        self.set_threads(auto_copy_threads(self.mode) if threads is None else threads)
 
     def set_threads(self, n: int) -> None:
         """Copy with ``n`` threads (one request's layers per task). torch releases the GIL while
@@ -439,7 +456,10 @@ class ExtractionEngine:
         self._reader.set_threads(n)
 
     def set_copy_mode(self, mode: str) -> None:
-        """Switch the GPU -> host hand-off ("pinned" or "sync") between runs (benchmarks)."""
+        """Switch the GPU -> host hand-off ("pinned" or "sync") between runs (benchmarks). A switch
+        re-installs the capture, so the next call builds (and page-locks) a fresh arena."""
+        if mode == self.opts.copy_mode:
+            return
         self.opts.copy_mode = mode
         self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids, mode, self._handoff_prefix))
 
