@@ -140,3 +140,11 @@ def test_writer_threads_must_be_positive(tmp_path):
     out.prepare({"m": 1})
     with pytest.raises(ValueError, match="writer threads"):
         w.BackgroundWriter(out, threads=0)
+
+
+def test_default_writer_threads_scale_with_cpus(monkeypatch):
+    from speculators_compat.pipeline import writer
+
+    for cpus, want in [(1, 1), (2, 2), (4, 2), (16, 8), (128, 8)]:
+        monkeypatch.setattr(writer.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert writer.default_writer_threads() == want

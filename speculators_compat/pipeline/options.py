@@ -50,7 +50,7 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-overlength", choices=("truncate", "error", "skip"), default="truncate")
     p.add_argument("--queue-size", type=int, default=2, help="batches waiting to be written (bounds memory)")
     p.add_argument("--writer-threads", type=_positive_int, default=None,
-                   help="files written in parallel (default: min(4, CPUs))")
+                   help="files written in parallel (default: half the CPUs, 2..8)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
     p.add_argument("--no-progress", action="store_true")
 

@@ -154,6 +154,16 @@ class OutputDir:
         return manifest
 
 
+def default_writer_threads() -> int:
+    """Half the CPUs, 2..8 (1 on one CPU). Each thread streams torch.save through sha256, ~0.6-1
+    GiB/s a thread; an H200 host's generate() outruns 4 of them (docs/gpu-results.md)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return min(8, max(min(2, cpus), cpus // 2))
+
+
 class BackgroundWriter:
     """Writes (index, sample) items on a thread; ``queue_size`` bounds what waits in memory."""
 
@@ -169,7 +179,7 @@ class BackgroundWriter:
         self._lock = threading.Lock()
         # Files of one batch are written in parallel (hashing and file writes release the GIL);
         # the next batch waits, so memory stays bounded by queue_size + 1 batches.
-        n = threads if threads is not None else min(4, os.cpu_count() or 1)
+        n = threads if threads is not None else default_writer_threads()
         if n < 1:
             raise ValueError(f"writer threads must be >= 1, not {n}")
         self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="speculators-compat-write") if n > 1 else None
