@@ -143,8 +143,9 @@ def test_writer_threads_must_be_positive(tmp_path):
 
 
 def test_default_writer_threads_scale_with_cpus(monkeypatch):
+    from speculators_compat.engine import core
     from speculators_compat.pipeline import writer
 
     for cpus, want in [(1, 1), (2, 2), (4, 2), (16, 8), (128, 8)]:
-        monkeypatch.setattr(writer.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        monkeypatch.setattr(core.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
         assert writer.default_writer_threads() == want

@@ -68,17 +68,22 @@ def copy_threads_from_env() -> int | None:
     return n
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def auto_copy_threads(host_alloc: str) -> int:
     """8 threads (at most half the CPUs) where the copies land in reused pinned pages (GPU hosts:
-    1.35x on an H200 host, docs/gpu-results.md); 1 elsewhere. Into fresh pages more threads were
-    slower (page faults contend), and a CPU engine needs the cores itself."""
+    1.6-1.8x faster than 1 thread on an H200 host, docs/gpu-results.md section 5); 1 elsewhere.
+    Into fresh pages more threads were slower (page faults contend), and a CPU engine needs the
+    cores itself."""
     if host_alloc != "pinned":
         return 1
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus // 2))
+    return max(1, min(8, usable_cpus() // 2))
 
 
 class _ArenaReader:
@@ -394,9 +399,8 @@ class ExtractionEngine:
         if self._handoff_prefix is None:
             return states
         dtype = getattr(torch, taken["dtype"])
-        # One thread by default (vLLM sets the driver's torch threads to 1): on an H200 host, 16
-        # threads copying into fresh pages made this 3.4x slower (their page faults contend); see
-        # docs/gpu-results.md for the measurements with reused (pinned) pages.
+        # Threads: see auto_copy_threads (vLLM sets the driver's torch threads to 1, so each task
+        # copies on one core).
         out = self._reader.assemble_all(states, taken["hidden"], dtype)
         self._reader.forget_except({p for layers in states.values() for blocks in layers for p, _, _ in blocks})
         return out
@@ -452,7 +456,7 @@ class ExtractionEngine:
         self._reader.set_mode(mode)
 
     def set_copy_threads(self, n: int) -> None:
-        """Threads that copy states out of the arena in the driver (benchmarks; default 1)."""
+        """Threads that copy states out of the arena in the driver (benchmarks; default: auto)."""
         self._reader.set_threads(n)
 
     def set_copy_mode(self, mode: str) -> None:

@@ -157,10 +157,9 @@ class OutputDir:
 def default_writer_threads() -> int:
     """Half the CPUs, 2..8 (1 on one CPU). Each thread streams torch.save through sha256, ~0.6-1
     GiB/s a thread; an H200 host's generate() outruns 4 of them (docs/gpu-results.md)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
+    from ..engine.core import usable_cpus
+
+    cpus = usable_cpus()
     return min(8, max(min(2, cpus), cpus // 2))
 
 
