@@ -149,3 +149,30 @@ def test_default_writer_threads_scale_with_cpus(monkeypatch):
     for cpus, want in [(1, 1), (2, 2), (4, 2), (16, 8), (128, 8)]:
         monkeypatch.setattr(core.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
         assert writer.default_writer_threads() == want
+
+
+@pytest.mark.parametrize("rows", [128, 1500])  # under and over SMALL_SAMPLE_BYTES (hidden 256, 2 layers)
+def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch, rows):
+    """Small samples are serialised in memory and written once; big ones stream through the hash.
+    Both must write the same bytes (a resumed run stays byte-identical across the threshold) and
+    report that file's sha256 and size."""
+    import hashlib
+
+    torch = pytest.importorskip("torch")
+    from speculators_compat.pipeline import writer
+
+    g = torch.Generator().manual_seed(rows)
+    sample = {"input_ids": torch.arange(rows), "loss_mask": torch.ones(rows, dtype=torch.long),
+              "hidden_states": [torch.randn(rows, 256, generator=g).bfloat16() for _ in range(2)]}
+    got = {}
+    for name, limit in [("memory", 1 << 40), ("stream", 0)]:
+        monkeypatch.setattr(writer, "SMALL_SAMPLE_BYTES", limit)
+        p = tmp_path / f"data_{name}.pt"
+        digest, n = writer.write_sample(p, sample, "pt")
+        data = p.read_bytes()
+        assert (digest, n) == (hashlib.sha256(data).hexdigest(), len(data))
+        assert not list(tmp_path.glob(".*partial"))
+        got[name] = data
+    assert got["memory"] == got["stream"]
+    back = torch.load(tmp_path / "data_memory.pt", weights_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], sample["hidden_states"]))

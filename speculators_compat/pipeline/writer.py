@@ -55,8 +55,10 @@ class _HashingFile(io.RawIOBase):
 
 
 def write_sample(path: Path, sample: dict[str, Any], fmt: str) -> tuple[str, int]:
-    """Write ``sample`` atomically to ``path``; returns (sha256, bytes). Streams torch.save into the
-    file through a hash (no in-memory copy of the serialized sample)."""
+    """Write ``sample`` atomically to ``path``; returns (sha256, bytes). A sample whose states
+    exceed ``SMALL_SAMPLE_BYTES`` streams torch.save into the file through a hash (no in-memory
+    copy); a smaller one is serialised in memory and written with one call, which per-file costs
+    dominate (tiny model, CPU: 0.74-0.75 vs 0.82-0.83 ms a file). Both give the same bytes."""
     if fmt != "pt":
         data = _safetensors_bytes(sample)
         atomic_write(path, data)
@@ -64,11 +66,31 @@ def write_sample(path: Path, sample: dict[str, Any], fmt: str) -> tuple[str, int
     import torch
 
     tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "wb") as f:
-        hf = _HashingFile(f)
-        torch.save(sample, hf)
+    if _payload_bytes(sample) <= SMALL_SAMPLE_BYTES:
+        # small: serialise in memory, hash and write once (torch.save makes ~64 small writes a file)
+        buf = io.BytesIO()
+        torch.save(sample, buf)
+        data = buf.getbuffer()
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            digest, n = hashlib.sha256(data).hexdigest(), len(data)
+        finally:
+            data.release()
+    else:
+        with open(tmp, "wb") as f:
+            hf = _HashingFile(f)
+            torch.save(sample, hf)
+        digest, n = hf.h.hexdigest(), hf.n
     os.replace(tmp, path)
-    return hf.h.hexdigest(), hf.n
+    return digest, n
+
+
+SMALL_SAMPLE_BYTES = 1 << 20
+
+
+def _payload_bytes(sample: dict[str, Any]) -> int:
+    return sum(h.numel() * h.element_size() for h in sample["hidden_states"])
 
 
 def _safetensors_bytes(sample: dict[str, Any]) -> bytes:
