@@ -178,9 +178,9 @@ def main(argv=None) -> int:
     ratios = {}
     for gen_key in [k for k in rows if k.startswith("generate")]:
         ratios[f"{gen_key}/raw"] = rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"]
-        alloc = gen_key[gen_key.index("]") + 1:]  # the variant tags after the copy mode
-        if "pipeline" + alloc in rows:
-            ratios[f"pipeline{alloc}/{gen_key}"] = rows["pipeline" + alloc]["tok_s_median"] / rows[gen_key]["tok_s_median"]
+        tag = gen_key[gen_key.index("]") + 1:]  # the variant tags after the copy mode
+        if "pipeline" + tag in rows:
+            ratios[f"pipeline{tag}/{gen_key}"] = rows["pipeline" + tag]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     gen_key = next(k for k in rows if k.startswith("generate"))
     if "generate[sync]" in rows and "generate[pinned]" in rows:
         ratios["pinned/sync"] = rows["generate[pinned]"]["tok_s_median"] / rows["generate[sync]"]["tok_s_median"]
