@@ -50,6 +50,11 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-modes", default="pinned", help="GPU: e.g. 'pinned,sync' to compare hand-offs")
     ap.add_argument("--host-allocs", default="auto", help="GPU: e.g. 'malloc,pinned': where the driver's copies live")
     ap.add_argument("--copy-threads", default="1", help="GPU: e.g. '1,8': threads copying states out in the driver")
+    ap.add_argument("--zero-copy", default="1", help="e.g. '1,0': lend arena rows (1) or copy them out (0)")
+    ap.add_argument("--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)")
+    ap.add_argument("--writer-modes", default="auto", help="e.g. 'thread,process': the pipeline's writer")
+    ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
+                    "to take the disk out of the measurement)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write the figures here too")
     a = ap.parse_args(argv)
@@ -75,7 +80,7 @@ def main(argv=None) -> int:
     common = dict(max_model_len=max(2048, a.seq + 8), dtype=a.dtype, max_num_batched_tokens=a.max_num_batched_tokens,
                   gpu_memory_utilization=a.gpu_memory_utilization)
     times: dict[str, list[float]] = {}
-    tmp = tempfile.mkdtemp(prefix="sc-bench-")
+    tmp = tempfile.mkdtemp(prefix="sc-bench-", dir=a.out_dir)
     jsonl = os.path.join(tmp, "in.jsonl")
     with open(jsonl, "w") as f:
         for p in prompts:
@@ -93,12 +98,16 @@ def main(argv=None) -> int:
     def make_ours():
         gen = VllmHiddenStatesGenerator(path, layer_ids=[int(x) for x in a.layers.split(",")] if a.layers else None,
                                         **common)
-        return gen, (lambda: [gen.generate(b) for b in batches])
+        def run():
+            for b in batches:  # like a consumer that saves each batch and drops it
+                gen.generate(b)
+        return gen, run
 
-    def pipeline_fn(gen):
+    def pipeline_fn(gen, wt=None, wm="auto"):
         def run():
             out = tempfile.mkdtemp(prefix="out-", dir=tmp)
-            run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False)
+            run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False, writer_threads=wt,
+                        writer=wm)
             shutil.rmtree(out)
         return run
 
@@ -106,25 +115,35 @@ def main(argv=None) -> int:
         times.setdefault(name, []).append(dt)
 
     copy_modes = a.copy_modes.split(",") if cuda else ["cpu"]
+    wts = [int(x) for x in a.writer_threads.split(",")] if a.writer_threads else [None]
+    wms = a.writer_modes.split(",")
     if cuda:  # both engines alive; alternate call by call
         llm, raw = make_raw()
         gen, ours = make_ours()
-        raw(), ours()  # warm-up
+        raw(), ours()  # warm-up (the pipeline's too: its writer processes start once)
+        for wm in wms:
+            pipeline_fn(gen, wts[0], wm)()
         allocs = a.host_allocs.split(",")
         threads = [int(x) for x in a.copy_threads.split(",")]
-        variants = [(h, n) for h in allocs for n in threads]
+        zeros = [int(x) for x in a.zero_copy.split(",")]
+        variants = [(h, n, z) for h in allocs for n in threads for z in zeros]
         for _ in range(a.reps):
             rec("raw", _timed(raw))
-            for h, n in variants:
+            for h, n, z in variants:
                 gen.engine.set_host_alloc(h)
                 gen.engine.set_copy_threads(n)
-                tag = (f"[{h}]" if len(allocs) > 1 else "") + (f"[t{n}]" if len(threads) > 1 else "")
+                gen.engine.set_zero_copy(bool(z))
+                tag = ((f"[{h}]" if len(allocs) > 1 else "") + (f"[t{n}]" if len(threads) > 1 else "")
+                       + (f"[z{z}]" if len(zeros) > 1 else ""))
                 for m in copy_modes:
                     if m != gen.engine.opts.copy_mode:  # a switch rebuilds the worker's arena:
                         gen.engine.set_copy_mode(m)     # that first call is set-up, not throughput
                         ours()
                     rec(f"generate[{m}]" + tag, _timed(ours))
-                rec("pipeline" + tag, _timed(pipeline_fn(gen)))
+                for wt in wts:
+                    for wm in wms:
+                        rec("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else ""),
+                            _timed(pipeline_fn(gen, wt, wm)))
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
         del llm
@@ -139,9 +158,18 @@ def main(argv=None) -> int:
             del llm
             gen, ours = make_ours()
             ours()
+            for wm in wms:
+                pipeline_fn(gen, wts[0], wm)()
+            zeros = [int(x) for x in a.zero_copy.split(",")]
             for _ in range(a.reps):
-                rec("generate[cpu]", _timed(ours))
-                rec("pipeline", _timed(pipeline_fn(gen)))
+                for z in zeros:
+                    gen.engine.set_zero_copy(bool(z))
+                    tag = f"[z{z}]" if len(zeros) > 1 else ""
+                    rec("generate[cpu]" + tag, _timed(ours))
+                    for wt in wts:
+                        for wm in wms:
+                            rec("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else ""),
+                                _timed(pipeline_fn(gen, wt, wm)))
             gen.close()
     if not a.no_hf:
         from transformers import AutoModelForCausalLM
@@ -169,7 +197,7 @@ def main(argv=None) -> int:
     env = {"device": torch.cuda.get_device_name(0) if cuda else f"cpu x{os.cpu_count()}",
            "vllm": versions.installed("vllm"), "torch": torch.__version__, "model": a.model,
            "batch": a.batch, "batches": a.batches, "seq": a.seq, "tokens": tokens, "dtype": a.dtype,
-           "max_num_batched_tokens": a.max_num_batched_tokens}
+           "max_num_batched_tokens": a.max_num_batched_tokens, "out_dir": a.out_dir or tempfile.gettempdir()}
     print(json.dumps(env))
     print(f"| contender | tokens/s (median) | spread (min-max) | runs |")
     print("|---|---|---|---|")
@@ -179,8 +207,9 @@ def main(argv=None) -> int:
     for gen_key in [k for k in rows if k.startswith("generate")]:
         ratios[f"{gen_key}/raw"] = rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"]
         tag = gen_key[gen_key.index("]") + 1:]  # the variant tags after the copy mode
-        if "pipeline" + tag in rows:
-            ratios[f"pipeline{tag}/{gen_key}"] = rows["pipeline" + tag]["tok_s_median"] / rows[gen_key]["tok_s_median"]
+        for pk in [k for k in rows if k.startswith("pipeline" + tag) and all(
+                   t.startswith(("w", "thread", "process", "auto")) for t in k[len("pipeline" + tag):].strip("[]").split("][") if t)]:
+            ratios[f"{pk}/{gen_key}"] = rows[pk]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     gen_key = next(k for k in rows if k.startswith("generate"))
     if "generate[sync]" in rows and "generate[pinned]" in rows:
         ratios["pinned/sync"] = rows["generate[pinned]"]["tok_s_median"] / rows["generate[sync]"]["tok_s_median"]

@@ -170,3 +170,129 @@ def test_copy_threads_env_is_checked(monkeypatch, bad):
     monkeypatch.setenv(core.COPY_THREADS_ENV, bad)
     with pytest.raises(ValueError, match="SPECULATORS_COMPAT_COPY_THREADS"):
         core._ArenaReader("malloc")
+
+
+def test_prepare_never_refills_a_busy_slab_and_keeps_few_spares(prefix):
+    a = w._Arena(prefix, pin=False)
+    a.prepare(1 << 20)
+    first = a.cur
+    a.prepare(1 << 20, busy=[a.path(first)])  # the caller still holds rows of the first batch
+    second = a.cur
+    assert second != first and len(a.slabs) == 2
+    a.prepare(1 << 20, busy=[a.path(first), a.path(second)])
+    assert a.cur not in (first, second) and len(a.slabs) == 3
+    for _ in range(3):  # everything returned: free slabs are reused, at most SPARE kept besides
+        a.prepare(1 << 20)
+        assert a.cur in (first, second, a._n)
+    assert len(a.slabs) <= 1 + w._Arena.SPARE
+    a.prepare(4 << 20)  # a bigger batch: slabs too small for it are released
+    assert len(a.slabs) == 1 and a.capacity >= 4 << 20
+    assert len(glob.glob(prefix + "*")) == 1
+    a.close()
+    assert glob.glob(prefix + "*") == []
+
+
+def test_slab_serials_are_never_reused(prefix):
+    a = w._Arena(prefix, pin=False)
+    seen = set()
+    for i in range(5):
+        a.prepare((i + 1) << 20)  # each batch bigger: the old slab is released, a new one made
+        assert a.cur not in seen and a.path(a.cur) not in {p for _, p in seen}
+        seen.add((a.cur, a.path(a.cur)))
+    a.close()
+
+
+def _filled_arena(prefix, hidden, dtype, rows_per_block, seed=5):
+    a = w._Arena(prefix, pin=False)
+    a.prepare(1 << 20)
+    g = torch.Generator().manual_seed(seed)
+    blocks = []
+    for rows in rows_per_block:
+        b, off = a.alloc(rows * hidden * dtype.itemsize)
+        a.view(b, off, rows, hidden, dtype).copy_(torch.randn(rows, hidden, generator=g))
+        blocks.append((a.path(b), off, rows))
+    return a, blocks
+
+
+def test_lent_tensor_is_exactly_its_block_and_busy_until_every_view_dies(prefix, tmp_path):
+    import gc
+
+    from speculators_compat.engine import core
+
+    hidden, dtype = 256, torch.bfloat16
+    a, blocks = _filled_arena(prefix, hidden, dtype, [7, 5])
+    r = core._ArenaReader("malloc", threads=1, lend=True)
+    lent = r.assemble([blocks[0]], hidden, dtype)
+    joined = r.assemble(blocks, hidden, dtype)  # two blocks: copied
+    p, off, rows = blocks[0]
+    assert torch.equal(lent, a.view(a.cur, off, rows, hidden, dtype))
+    assert lent.untyped_storage().nbytes() == rows * hidden * 2  # torch.save writes just these rows
+    assert torch.equal(joined[:7], lent) and joined.untyped_storage().nbytes() == 12 * hidden * 2
+    # same bytes on disk as a copy of its own (a resume across hand-off modes stays byte-identical)
+    (tmp_path / "lent").mkdir()
+    (tmp_path / "copy").mkdir()
+    torch.save({"h": lent}, tmp_path / "lent" / "s.pt")  # (the archive inside is named after the file)
+    torch.save({"h": lent.clone()}, tmp_path / "copy" / "s.pt")
+    assert (tmp_path / "lent" / "s.pt").read_bytes() == (tmp_path / "copy" / "s.pt").read_bytes()
+    assert r.busy() == [p]
+    view = lent[2:4]
+    del lent
+    gc.collect()
+    assert r.busy() == [p], "a view still lives in the slab"
+    del view
+    gc.collect()
+    assert r.busy() == []
+    r.close()
+    a.close()
+
+
+def test_lent_rows_outlive_the_worker_arena(prefix):
+    """A lent tensor keeps its own mapping: the worker releasing (unlinking) the slab, or the
+    engine shutting down, does not take the caller's data away."""
+    from speculators_compat.engine import core
+
+    hidden, dtype = 64, torch.float32
+    a, blocks = _filled_arena(prefix, hidden, dtype, [9])
+    r = core._ArenaReader("malloc", threads=1, lend=True)
+    t = r.assemble(blocks, hidden, dtype)
+    want = t.clone()
+    a.close()
+    r.forget_except([])
+    r.close()
+    assert glob.glob(prefix + "*") == []
+    assert torch.equal(t, want)
+
+
+def test_copy_mode_lends_nothing(prefix):
+    from speculators_compat.engine import core
+
+    hidden, dtype = 64, torch.float32
+    a, blocks = _filled_arena(prefix, hidden, dtype, [9])
+    r = core._ArenaReader("malloc", threads=1, lend=False)
+    t = r.assemble(blocks, hidden, dtype)
+    assert r.busy() == [] and torch.equal(t, a.view(a.cur, blocks[0][1], 9, hidden, dtype))
+    a.close()
+
+
+@pytest.mark.parametrize("bad", ["yes", "2", ""])
+def test_zero_copy_env_is_checked(monkeypatch, bad):
+    from speculators_compat.engine import core
+
+    monkeypatch.setenv(core.ZERO_COPY_ENV, bad)
+    with pytest.raises(ValueError, match="SPECULATORS_COMPAT_ZERO_COPY"):
+        core._ArenaReader("malloc")
+
+
+def test_free_slabs_kept_up_to_the_recent_peak_then_released(prefix):
+    a = w._Arena(prefix, pin=False)
+    held = []
+    for _ in range(5):  # a write queue holding up to five batches at once
+        a.prepare(1 << 20, busy=held)
+        held.append(a.path(a.cur))
+    assert len(a.slabs) == 5
+    a.prepare(1 << 20)  # all returned: the recent peak (6 in use) is kept for the next batches
+    assert len(a.slabs) == 5
+    for _ in range(w._Arena.RECENT):
+        a.prepare(1 << 20)
+    assert len(a.slabs) == 1 + w._Arena.SPARE  # the peak aged out: back to the spare count
+    a.close()

@@ -176,3 +176,116 @@ def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch,
     assert got["memory"] == got["stream"]
     back = torch.load(tmp_path / "data_memory.pt", weights_only=True)
     assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], sample["hidden_states"]))
+
+
+def _lent_samples(tmp_path, n=6, rows=(3, 9, 1, 17, 5, 2), hidden=64):
+    """Samples whose hidden states are lent arena rows (a /dev/shm-like file and the engine's own
+    reader), as the zero-copy hand-off returns them."""
+    torch = pytest.importorskip("torch")
+    from speculators_compat.engine import core
+    from speculators_compat.engine import worker as wk
+
+    arena = wk._Arena(str(tmp_path / "arena-"), pin=False)
+    arena.prepare(1 << 20)
+    reader = core._ArenaReader("malloc", threads=1, lend=True)
+    g = torch.Generator().manual_seed(11)
+    items = []
+    for i in range(n):
+        r = rows[i % len(rows)]
+        layers = []
+        for _ in range(3):
+            b, off = arena.alloc(r * hidden * 2)
+            arena.view(b, off, r, hidden, torch.bfloat16).copy_(torch.randn(r, hidden, generator=g))
+            layers.append(reader.assemble([(arena.path(b), off, r)], hidden, torch.bfloat16))
+        items.append((i, {"input_ids": torch.arange(r) + i, "hidden_states": layers,
+                          "loss_mask": torch.ones(r, dtype=torch.long)}))
+    return arena, reader, items
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_process_writer_writes_the_bytes_the_thread_writer_writes(tmp_path, fmt):
+    import json
+
+    from speculators_compat.pipeline import writer as w
+
+    arena, reader, items = _lent_samples(tmp_path)
+    assert all(reader.describe(h) is not None for _, s in items for h in s["hidden_states"])
+    dirs = {}
+    for kind in ("thread", "process"):
+        out = OutputDir(tmp_path / kind, fmt)
+        out.prepare({"m": 1})
+        bw = (w.ProcessWriter(out, reader.describe, queue_size=1, processes=2) if kind == "process"
+              else w.BackgroundWriter(out, queue_size=1, threads=2))
+        bw.put(items[:3])
+        bw.put(items[3:])
+        bw.close()
+        if kind == "process":
+            assert bw.in_processes == len(items) and bw.on_threads == 0
+        dirs[kind] = {p.name: p.read_bytes() for p in (tmp_path / kind).glob("data_*")}
+        sums = sorted(json.loads(x)["sha256"] for x in (tmp_path / kind / "checksums.jsonl").read_text().splitlines())
+        dirs[kind + "-sums"] = sums
+    assert len(dirs["thread"]) == len(items)
+    assert dirs["process"] == dirs["thread"] and dirs["process-sums"] == dirs["thread-sums"]
+    del items
+    import gc
+
+    gc.collect()
+    assert reader.busy() == []  # the writer let go of every sample once written
+    arena.close()
+
+
+def test_process_writer_unlent_rows_go_to_a_thread(tmp_path):
+    torch = pytest.importorskip("torch")
+    from speculators_compat.pipeline import writer as w
+
+    out = OutputDir(tmp_path / "o")
+    out.prepare({"m": 1})
+    bw = w.ProcessWriter(out, lambda t: None, queue_size=1, processes=1)
+    bw.put([(0, {"input_ids": torch.arange(4), "hidden_states": [torch.ones(4, 8)], "loss_mask": torch.ones(4)})])
+    bw.close()
+    assert bw.on_threads == 1 and bw.in_processes == 0
+    assert torch.load(tmp_path / "o" / "data_0.pt", weights_only=True)["hidden_states"][0].sum() == 32
+
+
+def test_killed_writer_process_is_a_clear_error_not_a_hang(tmp_path):
+    import signal
+    import time
+
+    from speculators_compat.pipeline import writer as w
+
+    arena, reader, items = _lent_samples(tmp_path)
+    out = OutputDir(tmp_path / "o")
+    out.prepare({"m": 1})
+    bw = w.ProcessWriter(out, reader.describe, queue_size=1, processes=1)
+    bw.put(items[:2])
+    while bw.written < 2:
+        time.sleep(0.02)
+    os.kill(bw.pool.procs[0].pid, signal.SIGKILL)
+    t = time.time()
+    with pytest.raises(OutputError, match=r"writer process .* died"):
+        for i in range(2, len(items)):
+            bw.put([items[i]])
+        bw.close()
+    assert time.time() - t < 30
+    assert sorted(p.name for p in (tmp_path / "o").glob("data_*")) == ["data_0.pt", "data_1.pt"]
+    # the next run gets fresh processes
+    out2 = OutputDir(tmp_path / "o2")
+    out2.prepare({"m": 1})
+    bw2 = w.ProcessWriter(out2, reader.describe, queue_size=1, processes=1)
+    assert not bw2.pool.dead()
+    bw2.put(items[2:4])
+    bw2.close()
+    assert bw2.in_processes == 2 and (tmp_path / "o2" / "data_3.pt").exists()
+    arena.close()
+
+
+def test_process_writer_failure_names_the_sample(tmp_path):
+    torch = pytest.importorskip("torch")
+    from speculators_compat.pipeline import writer as w
+
+    out = OutputDir(tmp_path / "o")
+    out.prepare({"m": 1})
+    bw = w.ProcessWriter(out, lambda t: ("/nonexistent/arena", 0, int(t.shape[0])), queue_size=1, processes=1)
+    bw.put([(7, {"input_ids": torch.arange(2), "hidden_states": [torch.ones(2, 8)], "loss_mask": torch.ones(2)})])
+    with pytest.raises(OutputError, match=r"sample 7 failed: FileNotFoundError"):
+        bw.close()

@@ -86,24 +86,46 @@ def auto_copy_threads(host_alloc: str) -> int:
     return max(1, min(8, usable_cpus() // 2))
 
 
+ZERO_COPY_ENV = "SPECULATORS_COMPAT_ZERO_COPY"  # "1" (default): lend arena rows | "0": copy them out
+
+
+def zero_copy_from_env() -> bool:
+    raw = os.environ.get(ZERO_COPY_ENV, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ZERO_COPY_ENV} must be '1' (lend the captured rows) or '0' (copy them), not {raw!r}")
+    return raw == "1"
+
+
 class _ArenaReader:
-    """Driver side of the /dev/shm hand-off: maps the worker's arena files, copies rows out.
+    """Driver side of the /dev/shm hand-off: maps the worker's arena files and turns its blocks
+    into tensors.
 
-    Every returned tensor is a fresh copy that owns its storage (so ``torch.save`` of one layer of
-    one sample writes just that), and the worker may rewind the arena as soon as ``run`` returns.
+    Every returned tensor has a storage of its own holding exactly its rows (so ``torch.save`` of
+    one layer of one sample writes just that). Two ways to get there:
 
-    Where the copies live (``SPECULATORS_COMPAT_HOST_ALLOC``): fresh pages cost a page fault each,
+    * lending (``SPECULATORS_COMPAT_ZERO_COPY=1``, the default): a (request, layer) whose rows
+      are one block in the arena (a prompt prefilled in one step) becomes a tensor over the
+      driver's mapping of that block, no copy. Its arena file is then *busy*: the worker is told
+      so with every batch and never refills it until every tensor over it is gone (counted with
+      a finaliser on each lent buffer). Rows split over several steps are copied (joined).
+    * copying (``=0``): every tensor is a fresh copy and the worker refills one arena each batch.
+
+    Where copies live (``SPECULATORS_COMPAT_HOST_ALLOC``): fresh pages cost a page fault each,
     which at GPU rates (hundreds of MB per call) dominates the copy. ``pinned`` takes them from
     torch's caching pinned-memory allocator, which hands the same pages back call after call
-    (needs CUDA in this process; the cache keeps the peak of a few batches page-locked);
-    ``malloc`` uses plain memory; ``auto`` is ``pinned`` when CUDA is available, else ``malloc``.
+    (needs CUDA in this process); ``malloc`` uses plain memory; ``auto`` is ``pinned`` when CUDA
+    is available, else ``malloc``.
     """
 
-    def __init__(self, mode: str | None = None, threads: int | None = None):
-        self._maps: dict[str, Any] = {}
+    def __init__(self, mode: str | None = None, threads: int | None = None, lend: bool | None = None):
+        self._maps: dict[str, Any] = {}  # path -> [mmap, uint8 tensor over it]
+        self._lent: dict[str, int] = {}  # path -> live lent buffers
+        self._blocks: dict[int, tuple] = {}  # storage address of a live lent buffer -> (path, offset, bytes)
+        self._lent_lock = threading.RLock()  # a finaliser may run (GC) while this thread holds it
         self._pool = None
         self.threads = 1
         self.set_mode(mode)
+        self.lend = zero_copy_from_env() if lend is None else bool(lend)
         threads = copy_threads_from_env() if threads is None else threads
         self.set_threads(auto_copy_threads(self.mode) if threads is None else threads)
 
@@ -133,19 +155,78 @@ class _ArenaReader:
         return torch.empty(shape, dtype=dtype, pin_memory=self.mode == "pinned")
 
     def _map(self, path: str):
+        m = self._maps.get(path)
+        if m is None:
+            import mmap
+
+            import torch
+
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            m = self._maps[path] = [mm, torch.frombuffer(mm, dtype=torch.uint8)]
+        return m
+
+    def busy(self) -> list[str]:
+        """Arena files some lent tensor still lives in (the worker must not refill them).
+
+        torch.save before torch 2.9 leaves a reference cycle holding every storage it saved, so
+        rows a caller saved and dropped stay alive until the cyclic GC runs: when anything is
+        busy, the young generations are collected first (cheap), so those slabs come back now."""
+        with self._lent_lock:
+            busy = [p for p, n in self._lent.items() if n > 0]
+        if busy:
+            import gc
+
+            gc.collect(1)
+            with self._lent_lock:
+                busy = [p for p, n in self._lent.items() if n > 0]
+        return busy
+
+    def _returned(self, path: str, ptr: int) -> None:  # a lent buffer died (any thread)
+        with self._lent_lock:
+            self._lent[path] -= 1
+            self._blocks.pop(ptr, None)
+
+    def describe(self, t) -> tuple | None:
+        """(arena file, byte offset, rows) when ``t`` is exactly a lent block (another process can
+        map it there instead of receiving the bytes); None for anything else."""
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (AttributeError, RuntimeError):
+            return None
+        with self._lent_lock:
+            blk = self._blocks.get(ptr)
+        if (blk is None or t.dim() != 2 or t.storage_offset() != 0 or not t.is_contiguous()
+                or t.numel() * t.element_size() != blk[2]):
+            return None
+        return blk[0], blk[1], int(t.shape[0])
+
+    def _lend_block(self, path: str, off: int, rows: int, hidden: int, dtype):
+        import weakref
+
+        import numpy as np
         import torch
 
-        t = self._maps.get(path)
-        if t is None:
-            t = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
-            self._maps[path] = t
-        return t
+        nbytes = rows * hidden * dtype.itemsize
+        buf = np.frombuffer(self._map(path)[0], dtype=np.uint8, count=nbytes, offset=off)
+        ptr = buf.ctypes.data
+        with self._lent_lock:
+            self._lent[path] = self._lent.get(path, 0) + 1
+            self._blocks[ptr] = (path, off, nbytes)
+        weakref.finalize(buf, self._returned, path, ptr)
+        # the tensor's storage is exactly this block and keeps ``buf`` (and so the mapping) alive
+        return torch.from_numpy(buf).view(dtype).view(rows, hidden)
 
     def assemble(self, blocks, hidden: int, dtype):
         import torch
 
+        if self.lend and len(blocks) == 1:
+            return self._lend_block(*blocks[0], hidden, dtype)
         es = dtype.itemsize
-        views = [self._map(p)[o: o + n * hidden * es].view(dtype).view(n, hidden) for p, o, n in blocks]
+        views = [self._map(p)[1][o: o + n * hidden * es].view(dtype).view(n, hidden) for p, o, n in blocks]
         out = self._empty((sum(v.shape[0] for v in views), hidden), dtype)
         return torch.cat(views, dim=0, out=out) if len(views) > 1 else out.copy_(views[0])
 
@@ -155,7 +236,8 @@ class _ArenaReader:
             for blocks in layers:
                 for p, _, _ in blocks:
                     self._map(p)
-        if self.threads == 1 or len(states) < 2:
+        copies = sum(1 for layers in states.values() for b in layers if not (self.lend and len(b) == 1))
+        if self.threads == 1 or copies < 2:
             return {r: [self.assemble(b, hidden, dtype) for b in layers] for r, layers in states.items()}
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
@@ -165,9 +247,15 @@ class _ArenaReader:
                 for r, layers in states.items()}
         return {r: f.result() for r, f in futs.items()}
 
-    def forget_except(self, live: set) -> None:
+    def forget_except(self, live) -> None:
+        """Drop the mappings of arena files the worker no longer has (a lent tensor keeps its own
+        mapping alive until it dies)."""
+        live = set(live)
         for p in [p for p in self._maps if p not in live]:
-            del self._maps[p]  # unmapped once no tensor refers to it
+            del self._maps[p]
+        with self._lent_lock:
+            for p in [p for p, n in self._lent.items() if n <= 0 and p not in live]:
+                del self._lent[p]
 
     def close(self) -> None:
         if self._pool is not None:
@@ -365,7 +453,8 @@ class ExtractionEngine:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; at most max_model_len - 1 = {max_len} fit")
         self._calls += 1
         ids = [f"sc-{self._uid}-{self._calls}-{i}" for i in range(len(prompts))]
-        self.executor.collective_rpc("compat_capture_expect", args=({r: len(p) for r, p in zip(ids, prompts)},))
+        self.executor.collective_rpc("compat_capture_expect",
+                                     args=({r: len(p) for r, p in zip(ids, prompts)}, self._reader.busy()))
         try:
             for rid, p in zip(ids, prompts):
                 self.core.add_request(self._make_request(rid, list(p)))
@@ -402,7 +491,7 @@ class ExtractionEngine:
         # Threads: see auto_copy_threads (vLLM sets the driver's torch threads to 1, so each task
         # copies on one core).
         out = self._reader.assemble_all(states, taken["hidden"], dtype)
-        self._reader.forget_except({p for layers in states.values() for blocks in layers for p, _, _ in blocks})
+        self._reader.forget_except(taken.get("slabs", ()))
         return out
 
     def _drive(self) -> None:
@@ -454,6 +543,14 @@ class ExtractionEngine:
     def set_host_alloc(self, mode: str) -> None:
         """Switch where copied-out states live ("pinned" | "malloc" | "auto") between runs (benchmarks)."""
         self._reader.set_mode(mode)
+
+    def describe(self, t) -> tuple | None:
+        """Where a returned tensor lives, if it is lent arena rows: (file, byte offset, rows)."""
+        return self._reader.describe(t)
+
+    def set_zero_copy(self, on: bool) -> None:
+        """Lend captured rows to the caller (True) or copy them out (False) from the next run on."""
+        self._reader.lend = bool(on)
 
     def set_copy_threads(self, n: int) -> None:
         """Threads that copy states out of the arena in the driver (benchmarks; default: auto)."""

@@ -15,11 +15,13 @@ How rows are attributed (the part upstream got wrong):
 ``take`` orders a request's segments by position and checks that every position 0..len-1 was
 captured exactly once.
 
-Where the rows go: the hooks write each step's kept rows straight into a reusable host arena (a
-file in /dev/shm the driver maps; on a GPU it is registered as pinned memory, so the device->host
-copy is one asynchronous DMA). ``take`` copies nothing: it hands back (file, offset, rows) for each
-segment and the driver copies them out into tensors of their own. The arena is rewound when the
-next batch is announced, so its size is the largest batch's states, reached once.
+Where the rows go: the hooks write each step's kept rows straight into a host arena slab (a file
+in /dev/shm the driver maps; on a GPU it is registered as pinned memory, so the device->host copy
+is one asynchronous DMA). ``take`` copies nothing: it hands back (file, offset, rows) for each
+segment. The driver lends single-block rows to its caller as tensors over its mapping (no copy)
+and copies the rest; every batch it tells the worker which slabs still hold lent rows, and a new
+batch is written only into a slab that holds none (or a new one). Free slabs are reused, so in a
+loop that drops each batch's results the arena stays at a few batches' states.
 
 Capture happens on tensor-parallel rank 0 only (after the row-parallel all-reduce every rank holds
 the full hidden state, so one copy is enough); other ranks install nothing.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,54 +91,91 @@ class ArenaSpaceError(RuntimeError):
 
 
 class _Arena:
-    """Host buffers the capture hooks write rows into; rewound for each batch.
+    """Host buffers ("slabs") the capture hooks write rows into; one slab is filled per batch.
 
-    With ``prefix`` each buffer is a file in /dev/shm (space reserved with posix_fallocate, so a
+    With ``prefix`` each slab is a file in /dev/shm (space reserved with posix_fallocate, so a
     full /dev/shm is a clear error here instead of a SIGBUS in a forward); without one it is
-    process memory and the rows travel back pickled. ``pin``: register the buffers with CUDA so
+    process memory and the rows travel back pickled. ``pin``: register the slabs with CUDA so
     device->host copies into them are asynchronous DMAs.
+
+    Lending: the driver may hand rows out to its caller without copying them (tensors over its
+    mapping of the slab). Such a slab is *busy* until the driver reports that every tensor in it
+    is gone; :meth:`prepare` never fills a busy slab, it takes a free one or makes a new one.
+    Slabs are keyed by a serial number that is never reused, so a stale key cannot alias.
     """
+
+    SPARE = 2  # free slabs kept besides the one being filled...
+    RECENT = 8  # ...or as many as were in use at once within the last RECENT batches
 
     def __init__(self, prefix: str | None, pin: bool):
         self.prefix, self.pin = prefix, pin
-        self.buffers: list = []  # [path | None, uint8 tensor, pinned?]; the last one is current
+        self.slabs: dict[int, list] = {}  # serial -> [path | None, uint8 tensor, pinned?]
+        self.cur: int | None = None  # the slab being filled
         self.used = 0
         self._n = 0
+        self._in_use: deque = deque(maxlen=self.RECENT)
 
     @property
     def capacity(self) -> int:
-        return self.buffers[-1][1].numel() if self.buffers else 0
+        return self.slabs[self.cur][1].numel() if self.cur is not None else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s[1].numel() for s in self.slabs.values())
+
+    def paths(self) -> list:
+        return [s[0] for s in self.slabs.values() if s[0] is not None]
+
+    def prepare(self, need: int, busy=()) -> None:
+        """Start a batch of up to ``need`` bytes in a slab whose file is not in ``busy`` (paths the
+        driver still lends out). Free slabs that fit are kept for later batches (a pipeline that
+        holds a few batches in its write queue reuses them instead of page-locking new ones), up
+        to the recent peak of slabs in use at once, at least ``SPARE``; the rest are released."""
+        busy = set(busy)
+        free = [k for k, s in self.slabs.items() if s[0] not in busy]
+        in_use = len(self.slabs) - len(free) + 1
+        self._in_use.append(in_use)
+        fits = sorted((k for k in free if self.slabs[k][1].numel() >= need), key=lambda k: self.slabs[k][1].numel())
+        chosen = fits[0] if fits else None
+        keep = set(fits[: 1 + max(self.SPARE, max(self._in_use) - in_use)])
+        for k in free:
+            if k not in keep:
+                self._release(self.slabs.pop(k))
+        if chosen is None:
+            chosen = self._new(need)
+        self.cur, self.used = chosen, 0
 
     def reset(self) -> None:
-        for buf in self.buffers[:-1]:
-            self._release(buf)
-        del self.buffers[:-1]
-        self.used = 0
+        """Start a batch in the largest slab, nothing lent (the copying hand-off)."""
+        self.prepare(0 if not self.slabs else max(s[1].numel() for s in self.slabs.values()))
 
     def reserve(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` more (grow now, outside any forward)."""
+        """Make room for ``nbytes`` more (a new slab now, outside any forward)."""
         if self.used + nbytes > self.capacity:
-            self._grow(self.used + nbytes)
+            self.cur, self.used = self._new(max(nbytes, 2 * self.capacity)), 0
 
     def alloc(self, nbytes: int) -> tuple[int, int]:
-        """(buffer index, byte offset) of a fresh ``nbytes`` block."""
+        """(slab, byte offset) of a fresh ``nbytes`` block."""
         nbytes = -(-nbytes // SHM_ALIGN) * SHM_ALIGN
         if self.used + nbytes > self.capacity:
-            self._grow(nbytes)
-            self.used = 0  # the new buffer starts empty; older ones stay until reset()
+            # the new slab starts empty; earlier ones keep their rows (this batch refers to them)
+            self.cur, self.used = self._new(max(nbytes, 2 * self.capacity)), 0
         off = self.used
         self.used += nbytes
-        return len(self.buffers) - 1, off
+        return self.cur, off
 
     def view(self, idx: int, off: int, rows: int, hidden: int, dtype) -> torch.Tensor:
         es = dtype.itemsize
-        return self.buffers[idx][1][off: off + rows * hidden * es].view(dtype).view(rows, hidden)
+        return self.slabs[idx][1][off: off + rows * hidden * es].view(dtype).view(rows, hidden)
 
     def path(self, idx: int):
-        return self.buffers[idx][0]
+        return self.slabs[idx][0]
 
-    def _grow(self, need: int) -> None:
-        size = max(need, 2 * self.capacity, 1 << 20)
+    def pinned(self, idx: int) -> bool:
+        return self.slabs[idx][2]
+
+    def _new(self, need: int) -> int:
+        size = max(need, 1 << 20)
         size = -(-size // 4096) * 4096
         self._n += 1
         path = None
@@ -150,18 +190,21 @@ class _Arena:
             except OSError as e:
                 os.close(fd)
                 os.unlink(path)
+                lent = sum(1 for s in self.slabs.values() if s[0] is not None)
                 raise ArenaSpaceError(
                     f"speculators_compat: cannot reserve {size / 2**20:.0f} MiB in {os.path.dirname(path)} "
-                    f"for captured hidden states ({e.strerror}). Give it more room (docker: --shm-size or "
-                    "--ipc=host), lower the batch, or set SPECULATORS_COMPAT_HANDOFF=rpc") from e
+                    f"for captured hidden states ({e.strerror}; {lent} slab(s) of "
+                    f"{self.total_bytes / 2**20:.0f} MiB already there, incl. states of earlier batches "
+                    "still referenced by the caller). Give it more room (docker: --shm-size or --ipc=host), "
+                    "lower the batch, drop or .clone() results you keep, or set "
+                    "SPECULATORS_COMPAT_HANDOFF=rpc") from e
             os.close(fd)
             t = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
             buf = [path, t, False]
             if self.pin:
                 buf[2] = _host_register(t)
-        self.buffers.append(buf)
-        if len(self.buffers) == 1:
-            self.used = 0
+        self.slabs[self._n] = buf
+        return self._n
 
     def _release(self, buf) -> None:
         path, t, pinned = buf
@@ -175,10 +218,10 @@ class _Arena:
                 pass
 
     def close(self) -> None:
-        for buf in self.buffers:
+        for buf in self.slabs.values():
             self._release(buf)
-        self.buffers = []
-        self.used = 0
+        self.slabs = {}
+        self.cur, self.used = None, 0
 
 
 def _host_register(t: torch.Tensor) -> bool:
@@ -213,6 +256,7 @@ class _CaptureState:
     hidden: int = 0
     dtype: Any = None
     pending_event: Any = None
+    copy_stream: Any = None  # GPU: side stream for device->host copies into the pinned arena
     record_all: bool = False
     all_rows: list = field(default_factory=list)
     steps: int = 0
@@ -441,7 +485,7 @@ def _take(st, req_ids, want_data):
         else:
             states[rid] = [_gather(arena, [s.layers[j] for s in segs], st.hidden, st.dtype)
                            for j in range(len(st.layer_ids))]
-    return {"states": states, "errors": errors, "rank_captures": True,
+    return {"states": states, "errors": errors, "rank_captures": True, "slabs": arena.paths(),
             "hidden": st.hidden, "dtype": str(st.dtype).replace("torch.", "")}
 
 
@@ -478,18 +522,23 @@ class CaptureExtension:
                              handoff_prefix: str | None = None) -> dict:
         return install_capture(self, layer_ids, copy_mode=copy_mode, handoff_prefix=handoff_prefix)
 
-    def compat_capture_expect(self, expected: dict) -> None:
-        """Announce request ids and their prompt lengths before they are scheduled; size the arena."""
+    def compat_capture_expect(self, expected: dict, busy=()) -> None:
+        """Announce request ids and their prompt lengths before they are scheduled; size the arena.
+        ``busy``: arena files the driver still lends out (tensors its caller holds): never refilled."""
         st = getattr(self, "_compat_capture", None)
         if st is None:
             return
-        if not st.segments:  # every earlier batch was taken: its rows were copied out
-            st.arena.reset()
-        if st.hidden and st.dtype is not None:  # before accepting the batch: a failure leaves no trace
+        need = 0
+        if st.hidden and st.dtype is not None:
             es = st.dtype.itemsize
             rows = sum(expected.values())
             # kept rows + per-block alignment for up to one block per (request, layer, step)
-            st.arena.reserve(len(st.layer_ids) * (rows * st.hidden * es + SHM_ALIGN * (len(expected) + 8)))
+            need = len(st.layer_ids) * (rows * st.hidden * es + SHM_ALIGN * (len(expected) + 8))
+        # before accepting the batch: a failure (no room) leaves no trace
+        if not st.segments:  # every earlier batch was taken: start a new one in a free slab
+            st.arena.prepare(need, busy)
+        else:
+            st.arena.reserve(need)
         st.expected.update(expected)
 
     def compat_capture_take(self, req_ids: list[str], want_data: bool = True) -> dict:
@@ -508,7 +557,8 @@ class CaptureExtension:
             return {}
         return {"steps": st.steps, "tokens": st.tokens, "pending_requests": len(st.segments),
                 "copy_mode": st.copy_mode, "hook_s": round(st.t_hooks, 3),
-                "take_s": round(st.t_take, 3), "arena_bytes": st.arena.capacity if st.arena else 0}
+                "take_s": round(st.t_take, 3), "arena_bytes": st.arena.total_bytes if st.arena else 0,
+                "arena_slabs": len(st.arena.slabs) if st.arena else 0}
 
 
 def _make_layer_hook(st: _CaptureState, lid: int, distribute):
@@ -554,17 +604,37 @@ def _store_rows(st: _CaptureState, output: Any) -> tuple[int, int]:
             dst.copy_(h)
         st.nonfinite.append(_nonfinite_flag(dst))
     else:
-        val = h + pick(residual.detach()) if residual is not None else h
+        if residual is not None:
+            val = h + pick(residual.detach())
+        elif isinstance(source, slice):  # a view of the layer output, which later layers may
+            val = h.clone()              # update in place while the copy below is in flight
+        else:
+            val = h  # index_select made it
         # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
         st.nonfinite.append(_nonfinite_flag(val))
-        if st.arena.buffers[b][2]:  # pinned (page-locked) arena: an asynchronous DMA
-            dst.copy_(val, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            st.pending_event = ev
+        if st.arena.pinned(b):  # pinned (page-locked) arena: an asynchronous DMA
+            _copy_on_side_stream(st, dst, val)
         else:
             dst.copy_(val)
     return b, off
+
+
+def _copy_on_side_stream(st: _CaptureState, dst: torch.Tensor, val: torch.Tensor) -> None:
+    """Device->host DMA of ``val`` on a side stream, so the forward's next kernels do not queue
+    behind it (on the compute stream a 1B model's four captured layers cost ~10 ms of a 105 ms
+    batch on an H200). The side stream waits for ``val`` to be computed; ``record_stream`` keeps
+    its memory from being reused until the copy is done; take() waits for the last copy."""
+    main = torch.cuda.current_stream(val.device)
+    if st.copy_stream is None:
+        st.copy_stream = torch.cuda.Stream(device=val.device)
+    side = st.copy_stream
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        dst.copy_(val, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    val.record_stream(side)
+    st.pending_event = ev
 
 
 def _nonfinite_flag(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,30 @@ from typing import Any, Iterable, Iterator
 
 from .. import versions
 from .dataset import DatasetError, Sample, open_dataset
-from .writer import BackgroundWriter, OutputDir
+from .writer import BackgroundWriter, OutputDir, ProcessWriter
+
+WRITER_MODES = ("auto", "thread", "process")
+
+
+def _gpu_host() -> bool:
+    from ..generator import cuda_device_count
+
+    return cuda_device_count() > 0
+
+
+def choose_writer(mode: str, generator) -> str:
+    """``auto``: processes on a GPU host when the engine lends its rows (the driver's spinning
+    thread then starves writer threads of the GIL), threads elsewhere (a CPU engine needs the
+    cores, and files are small against its compute)."""
+    if mode not in WRITER_MODES:
+        raise ValueError(f"writer must be one of {WRITER_MODES}, not {mode!r}")
+    if mode != "auto":
+        return mode
+    from ..generator import cuda_device_count
+
+    engine = getattr(generator, "engine", None)
+    lends = bool(getattr(getattr(engine, "_reader", None), "lend", False)) and bool(getattr(engine, "_handoff_prefix", None))
+    return "process" if lends and cuda_device_count() > 0 else "thread"
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -49,11 +72,13 @@ def count_samples(path: str | Path) -> int | None:
 def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, batch_size: int = 8,
                 max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
                 queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
-                layer_id_convention: str = "upstream", **gen_kwargs) -> dict[str, Any]:
+                layer_id_convention: str = "upstream", writer: str = "auto", **gen_kwargs) -> dict[str, Any]:
     import torch
 
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
+    if writer not in WRITER_MODES:
+        raise ValueError(f"writer must be one of {WRITER_MODES}, not {writer!r}")
     if on_overlength not in ("truncate", "error", "skip"):
         raise ValueError(f"on_overlength must be truncate, error or skip, not {on_overlength!r}")
     t0 = time.time()
@@ -64,6 +89,10 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
     if max_samples is not None:
         samples = islice(samples, max_samples)
 
+    if writer == "process" or (writer == "auto" and generator is None and _gpu_host()):
+        from .writer import writer_pool
+
+        writer_pool(writer_threads)  # start the writer processes now: they import torch meanwhile
     if generator is None:
         from ..generator import VllmHiddenStatesGenerator
 
@@ -78,7 +107,12 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 "dtype": str(generator.vllm_config.model_config.dtype).replace("torch.", "")}
     out = OutputDir(output, fmt)
     done = out.prepare(run_info)
-    writer = BackgroundWriter(out, queue_size, writer_threads)
+    writer_mode = choose_writer(writer, generator)
+    if writer_mode == "process":
+        describe = getattr(generator.engine, "describe", None) or (lambda t: None)
+        writer = ProcessWriter(out, describe, queue_size, writer_threads)
+    else:
+        writer = BackgroundWriter(out, queue_size, writer_threads)
     bar = _progress(total, progress, initial=0)
     stats = {"samples_seen": 0, "skipped_done": 0, "computed": 0, "written_new": 0, "tokens": 0,
              "truncated": [], "skipped_overlength": []}
@@ -145,7 +179,10 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                "bytes": manifest["total_bytes"], "seconds": round(took, 2),
                "engine_start_s": round(t_compute - t0, 2),
                "tokens_per_s": round(stats["tokens"] / max(time.time() - t_compute, 1e-9), 1),
-               "truncated": len(stats["truncated"]), "skipped_overlength": len(stats["skipped_overlength"])}
+               "truncated": len(stats["truncated"]), "skipped_overlength": len(stats["skipped_overlength"]),
+               "writer": writer_mode}
+    if writer_mode == "process":
+        summary["files_by_writer_processes"] = writer.in_processes
     with open(out.root / "runs.jsonl", "a") as f:  # timings live here, not in the manifest
         f.write(json.dumps(summary) + "\n")
     return summary
@@ -173,6 +210,7 @@ def main_extract(args) -> int:
         args.model, args.input, args.output, layer_ids=args.layer_ids, batch_size=args.batch_size,
         max_samples=args.max_samples, fmt=args.format, on_overlength=args.on_overlength,
         queue_size=args.queue_size, progress=not args.no_progress, writer_threads=args.writer_threads,
+        writer=args.writer,
         layer_id_convention=args.layer_id_convention, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, quantization=args.quantization,
         trust_remote_code=args.trust_remote_code, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -49,8 +49,11 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", choices=("disable", "keep"), default=None)
     p.add_argument("--on-overlength", choices=("truncate", "error", "skip"), default="truncate")
     p.add_argument("--queue-size", type=int, default=2, help="batches waiting to be written (bounds memory)")
+    p.add_argument("--writer", choices=("auto", "thread", "process"), default="auto",
+                   help="write files on threads or in processes (auto: processes on a GPU host)")
     p.add_argument("--writer-threads", type=_positive_int, default=None,
-                   help="files written in parallel (default: half the CPUs, 2..8)")
+                   help="files written in parallel: threads (default half the CPUs, 2..8) or "
+                        "processes (default half the CPUs, 2..16)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
     p.add_argument("--no-progress", action="store_true")
 

@@ -55,10 +55,9 @@ def test_repeat_call_same_results(gen, llama_path, hf_ref):
 
 
 def test_results_survive_later_calls_and_own_their_storage(gen, llama_path, hf_ref, tmp_path):
-    """The worker rewinds its hand-off arena for every batch: results already returned must be
-    copies, not views of it. A later call with other prompts overwrites the arena; the earlier
-    results must still match HF, and each tensor's storage must be exactly its own rows (so
-    torch.save of one sample writes that sample, nothing more)."""
+    """Results already returned (lent rows of the arena, or copies of rows split over steps) must
+    not change when a later call with other prompts runs; each tensor's storage must be exactly
+    its own rows (so torch.save of one sample writes that sample, nothing more)."""
     import torch
 
     first_prompts = models.random_prompts([600, 40, 333, 7], seed=21)
@@ -89,6 +88,67 @@ def test_threaded_copy_out_matches_hf(gen, llama_path, hf_ref):
                 assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
     finally:
         gen.engine.set_copy_threads(1)
+
+
+def test_lent_results_are_never_overwritten_and_memory_stays_flat(llama_path, hf_ref):
+    """Zero-copy hand-off (the default): prompts prefilled in one step come back as tensors over
+    the worker's /dev/shm arena slab. The worker must never write a later batch into a slab whose
+    rows the caller still holds: after the first call exactly one slab exists, so a worker that
+    ignored the driver's "busy" list would write the second batch over the first one's rows.
+    Dropped results must free their slab for reuse (the arena stays a few slabs, not one per
+    call), and held rows must outlive the engine."""
+    import gc
+    import glob
+
+    import torch
+
+    # 12 prompts, at most 4 a step within 128 tokens: every prompt is prefilled in one step (lent)
+    lengths = [20, 31, 9, 25, 17, 30, 12, 28, 5, 22, 19, 26]
+    g = VllmHiddenStatesGenerator(llama_path, layer_ids=LAYERS, max_model_len=512, dtype="float32",
+                                  max_num_batched_tokens=128, max_num_seqs=4)
+    try:
+        reader = g.engine._reader
+        assert reader.lend
+        pa = models.random_prompts(lengths, seed=501)
+        a = check(g, llama_path, pa, hf_ref)
+        assert reader.busy(), "expected the rows to be lent, not copied"
+        assert g.engine.stats()["arena_slabs"] == 1
+        a0 = [[h.clone() for h in r["hidden_states"]] for r in a]
+        pb = models.random_prompts(lengths, seed=502)
+        b = check(g, llama_path, pb, hf_ref)
+        for r, want in zip(a, a0):
+            for h, w in zip(r["hidden_states"], want):
+                assert torch.equal(h, w), "a later batch was written over rows the caller holds"
+        assert g.engine.stats()["arena_slabs"] == 2
+        for k in range(6):  # results dropped at once: slabs are reused
+            check(g, llama_path, models.random_prompts(lengths, seed=510 + k), hf_ref)
+        gc.collect()
+        assert g.engine.stats()["arena_slabs"] <= 2 + 1 + 2  # a and b held, one filled, two spare
+        del b
+        gc.collect()
+        for k in range(3):
+            check(g, llama_path, models.random_prompts(lengths, seed=520 + k), hf_ref)
+        assert g.engine.stats()["arena_slabs"] <= 1 + 1 + 2
+        assert len(reader.busy()) == 1  # only a's slab
+        prefix = g.engine._handoff_prefix
+    finally:
+        g.close()
+    assert glob.glob(prefix + "*") == []
+    for r, want in zip(a, a0):  # the engine is gone and its files unlinked; the rows are not
+        for h, w in zip(r["hidden_states"], want):
+            assert torch.equal(h, w)
+
+
+def test_copy_hand_off_matches_hf(gen, llama_path, hf_ref):
+    """SPECULATORS_COMPAT_ZERO_COPY=0: every row is copied out; nothing is lent."""
+    gen.engine.set_zero_copy(False)
+    try:
+        res = check(gen, llama_path, models.random_prompts([20, 31, 9, 700, 25, 17, 30, 12, 28, 5, 22], seed=88),
+                    hf_ref)
+        assert gen.engine._reader.busy() == []
+        del res
+    finally:
+        gen.engine.set_zero_copy(True)
 
 
 def test_handoff_files_removed_at_close(llama_path):
