@@ -2,10 +2,13 @@
 """Write throughput of the pipeline's BackgroundWriter alone (no engine), per thread count.
 
 Feeds ``--batches`` batches of ``--batch`` samples ([seq, hidden] bf16 per layer, the shapes the
-engine returns) through BackgroundWriter and reports GiB/s of files written; beside it, plain
-torch.save of the same samples on the same number of threads (no hashing, no checksum records):
-what the writer's own bookkeeping costs. Alternating rounds, median and spread.
-    python benchmarks/writer.py --threads 4,8,16 --seq 1024 --hidden 2048 --layers 4
+engine returns, lent from a /dev/shm arena as the zero-copy hand-off returns them) through the
+thread writer (BackgroundWriter) and the process writer (ProcessWriter), and reports GiB/s of
+files written; beside them, plain torch.save of the same samples on the same number of threads (no
+hashing, no checksum records). ``--spin`` adds a thread that loops on sched_yield, as the engine
+driver's wait on vLLM's shared-memory queue does while the GPU works. Alternating rounds, median
+and spread.
+    python benchmarks/writer.py --threads 4,8,16 --seq 1024 --hidden 2048 --layers 4 --spin 0,1
 """
 from __future__ import annotations
 
@@ -31,29 +34,50 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--spin", default="0", help="e.g. '0,1': without / with a sched_yield-spinning thread")
+    ap.add_argument("--modes", default="thread,process,torch.save")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from speculators_compat.pipeline.writer import BackgroundWriter, OutputDir
+    from speculators_compat.engine import core
+    from speculators_compat.engine import worker as wk
+    from speculators_compat.pipeline.writer import BackgroundWriter, OutputDir, ProcessWriter, shutdown_writer_pool
 
     g = torch.Generator().manual_seed(0)
-    batches = [[(b * a.batch + i, {"input_ids": torch.arange(a.seq),
-                                   "hidden_states": [torch.randn(a.seq, a.hidden, generator=g).bfloat16()
-                                                     for _ in range(a.layers)],
-                                   "loss_mask": torch.ones(a.seq, dtype=torch.long)})
-                for i in range(a.batch)] for b in range(a.batches)]
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    arena = wk._Arena(os.path.join(shm, f"sc-writer-bench-{os.getpid()}-"), pin=False)
+    row_bytes = a.hidden * 2
+    arena.prepare(a.batches * a.batch * a.layers * (a.seq * row_bytes + wk.SHM_ALIGN))
+    reader = core._ArenaReader("malloc", threads=1, lend=True)
+    batches = []
+    for b in range(a.batches):
+        items = []
+        for i in range(a.batch):
+            layers = []
+            for _ in range(a.layers):
+                k, off = arena.alloc(a.seq * row_bytes)
+                arena.view(k, off, a.seq, a.hidden, torch.bfloat16).copy_(torch.randn(a.seq, a.hidden, generator=g))
+                layers.append(reader.assemble([(arena.path(k), off, a.seq)], a.hidden, torch.bfloat16))
+            items.append((b * a.batch + i, {"input_ids": torch.arange(a.seq), "hidden_states": layers,
+                                            "loss_mask": torch.ones(a.seq, dtype=torch.long)}))
+        batches.append(items)
     nbytes = a.batches * a.batch * a.layers * a.seq * a.hidden * 2
     root = Path(a.dir or tempfile.mkdtemp(prefix="sc-writer-bench-"))
     times: dict[str, list[float]] = {}
 
-    def writer_run(n):
+    def writer_run(n, kind="thread"):
         out = root / f"w{n}"
         od = OutputDir(out, "pt")
         od.prepare({"bench": True})
+        if kind == "process":  # start (or resize) the process pool outside the timing
+            from speculators_compat.pipeline.writer import writer_pool
+
+            writer_pool(n)
         t = time.perf_counter()
-        w = BackgroundWriter(od, queue_size=2, threads=n)
+        w = (ProcessWriter(od, reader.describe, queue_size=2, processes=n) if kind == "process"
+             else BackgroundWriter(od, queue_size=2, threads=n))
         for items in batches:
             w.put(items)
         w.close()
@@ -71,11 +95,32 @@ def main(argv=None) -> int:
         shutil.rmtree(out)
         return dt
 
+    import threading
+
+    spinning = threading.Event()
+
+    def spin():
+        while True:
+            spinning.wait()
+            os.sched_yield()
+
+    threading.Thread(target=spin, daemon=True).start()
     threads = [int(x) for x in a.threads.split(",")]
+    modes = a.modes.split(",")
+    spins = [int(x) for x in a.spin.split(",")]
     for _ in range(a.reps):
-        for n in threads:
-            times.setdefault(f"writer[t{n}]", []).append(writer_run(n))
-            times.setdefault(f"torch.save[t{n}]", []).append(plain_run(n))
+        for sp in spins:
+            (spinning.set if sp else spinning.clear)()
+            tag = f"[spin]" if sp else ""
+            for n in threads:
+                for m in modes:
+                    if m == "torch.save":
+                        times.setdefault(f"torch.save[t{n}]{tag}", []).append(plain_run(n))
+                    else:
+                        times.setdefault(f"{m}[{n}]{tag}", []).append(writer_run(n, m))
+    spinning.clear()
+    shutdown_writer_pool()
+    arena.close()
     rows = {k: {"gib_s_median": nbytes / statistics.median(v) / 2**30, "gib_s_min": nbytes / max(v) / 2**30,
                 "gib_s_max": nbytes / min(v) / 2**30} for k, v in times.items()}
     print(json.dumps({"bytes": nbytes, "cpus": os.cpu_count(), "dir": str(root)}))

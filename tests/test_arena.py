@@ -20,7 +20,7 @@ def prefix(tmp_path):
     return str(tmp_path / "sc-test-")
 
 
-def test_growth_keeps_earlier_blocks_until_reset(prefix):
+def test_growth_keeps_earlier_blocks_until_the_next_batch(prefix):
     a = w._Arena(prefix, pin=False)
     a.reserve(1 << 20)
     b0, o0 = a.alloc(512 * 1024)
@@ -30,8 +30,8 @@ def test_growth_keeps_earlier_blocks_until_reset(prefix):
     a.view(b1, o1, 2048, 128, torch.float32).fill_(-2.0)
     assert a.view(b0, o0, 1024, 128, torch.float32).eq(1.5).all()  # the first block is intact
     assert len(glob.glob(prefix + "*")) == 2
-    a.reset()
-    assert len(glob.glob(prefix + "*")) == 1 and a.used == 0  # only the largest stays
+    a.prepare(3 << 20)  # the next batch (nothing lent): the slab that fits is reused, the small one goes
+    assert a.cur == b1 and a.used == 0 and len(glob.glob(prefix + "*")) == 1
     a.close()
     assert glob.glob(prefix + "*") == []
 
@@ -296,3 +296,22 @@ def test_free_slabs_kept_up_to_the_recent_peak_then_released(prefix):
         a.prepare(1 << 20)
     assert len(a.slabs) == 1 + w._Arena.SPARE  # the peak aged out: back to the spare count
     a.close()
+
+
+def test_sweep_removes_only_files_of_dead_drivers(tmp_path):
+    import subprocess
+    import sys
+
+    from speculators_compat.engine import core
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    names = {f"speculators-compat-{dead}-0a1b2c3d-arena1": False,   # its driver is gone: removed
+             f"speculators-compat-{os.getpid()}-0a1b2c3d-arena1": True,  # a live driver's
+             "speculators-compat-0a1b2c3d-arena2": True,  # no pid in the name (older releases)
+             "unrelated-file": True}
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    removed = core.sweep_stale_handoff_files(str(tmp_path))
+    assert removed == [f"speculators-compat-{dead}-0a1b2c3d-arena1"]
+    assert {n: (tmp_path / n).exists() for n in names} == names

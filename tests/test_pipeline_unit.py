@@ -258,7 +258,9 @@ def test_killed_writer_process_is_a_clear_error_not_a_hang(tmp_path):
     out.prepare({"m": 1})
     bw = w.ProcessWriter(out, reader.describe, queue_size=1, processes=1)
     bw.put(items[:2])
+    deadline = time.time() + 60
     while bw.written < 2:
+        assert time.time() < deadline and bw.error is None, f"first files not written: {bw.error}"
         time.sleep(0.02)
     os.kill(bw.pool.procs[0].pid, signal.SIGKILL)
     t = time.time()

@@ -46,7 +46,42 @@ def _handoff_prefix(uid: str) -> str | None:
     if d is None:
         logger.warning("speculators_compat: /dev/shm is not writable; captured states travel over RPC (slower)")
         return None
-    return os.path.join(d, f"speculators-compat-{uid}-")
+    sweep_stale_handoff_files(d)
+    return os.path.join(d, f"speculators-compat-{os.getpid()}-{uid}-")
+
+
+_HANDOFF_FILE_RE = __import__("re").compile(r"^speculators-compat-(\d+)-[0-9a-f]+-")
+
+
+def sweep_stale_handoff_files(d: str) -> list[str]:
+    """Remove hand-off files whose driver process is gone (one killed with SIGKILL cannot clean
+    up; its arena files would hold /dev/shm memory until reboot). A file of a live process, or
+    one without a driver pid in its name, is left alone."""
+    removed = []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return removed
+    for name in names:
+        m = _HANDOFF_FILE_RE.match(name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or someone else's pid now): not ours to judge
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(d, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    if removed:
+        logger.info("speculators_compat: removed %d hand-off file(s) of dead processes from %s", len(removed), d)
+    return removed
 
 
 HOST_ALLOC_ENV = "SPECULATORS_COMPAT_HOST_ALLOC"
@@ -543,6 +578,11 @@ class ExtractionEngine:
     def set_host_alloc(self, mode: str) -> None:
         """Switch where copied-out states live ("pinned" | "malloc" | "auto") between runs (benchmarks)."""
         self._reader.set_mode(mode)
+
+    @property
+    def lends_rows(self) -> bool:
+        """Do results come back as lent arena rows (zero-copy through /dev/shm)?"""
+        return self._reader.lend and self._handoff_prefix is not None
 
     def describe(self, t) -> tuple | None:
         """Where a returned tensor lives, if it is lent arena rows: (file, byte offset, rows)."""

@@ -145,10 +145,6 @@ class _Arena:
             chosen = self._new(need)
         self.cur, self.used = chosen, 0
 
-    def reset(self) -> None:
-        """Start a batch in the largest slab, nothing lent (the copying hand-off)."""
-        self.prepare(0 if not self.slabs else max(s[1].numel() for s in self.slabs.values()))
-
     def reserve(self, nbytes: int) -> None:
         """Make room for ``nbytes`` more (a new slab now, outside any forward)."""
         if self.used + nbytes > self.capacity:

@@ -41,8 +41,7 @@ def choose_writer(mode: str, generator) -> str:
     from ..generator import cuda_device_count
 
     engine = getattr(generator, "engine", None)
-    lends = bool(getattr(getattr(engine, "_reader", None), "lend", False)) and bool(getattr(engine, "_handoff_prefix", None))
-    return "process" if lends and cuda_device_count() > 0 else "thread"
+    return "process" if getattr(engine, "lends_rows", False) and cuda_device_count() > 0 else "thread"
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -93,99 +92,104 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
         from .writer import writer_pool
 
         writer_pool(writer_threads)  # start the writer processes now: they import torch meanwhile
+    own_generator = generator is None
     if generator is None:
         from ..generator import VllmHiddenStatesGenerator
 
         generator = VllmHiddenStatesGenerator(model, layer_ids=layer_ids, layer_id_convention=layer_id_convention,
                                               on_overlength="error", **gen_kwargs)
-    max_len = generator.engine.max_model_len - 1
-    t_compute = time.time()  # throughput counts from here: engine start-up is reported apart
-    run_info = {"model": os.path.abspath(model) if os.path.exists(model) else model,
-                "input": os.path.abspath(input_path), "layer_ids": list(generator.layer_ids),
-                "layer_id_convention": "upstream", "format": fmt, "batch_size": batch_size,
-                "max_model_len": max_len + 1, "on_overlength": on_overlength,
-                "dtype": str(generator.vllm_config.model_config.dtype).replace("torch.", "")}
-    out = OutputDir(output, fmt)
-    done = out.prepare(run_info)
-    writer_mode = choose_writer(writer, generator)
-    if writer_mode == "process":
-        describe = getattr(generator.engine, "describe", None) or (lambda t: None)
-        writer = ProcessWriter(out, describe, queue_size, writer_threads)
-    else:
-        writer = BackgroundWriter(out, queue_size, writer_threads)
-    bar = _progress(total, progress, initial=0)
-    stats = {"samples_seen": 0, "skipped_done": 0, "computed": 0, "written_new": 0, "tokens": 0,
-             "truncated": [], "skipped_overlength": []}
-    n_seen = 0
     try:
-        for batch in _batches(samples, batch_size):
-            n_seen += len(batch)
-            todo = [s for s in batch if s.index not in done]
-            if not todo:
-                stats["skipped_done"] += len(batch)
-                bar.update(len(batch))
-                continue
-            ids, masks, keep = [], [], []
-            for s in batch:
-                x, m = s.input_ids, s.loss_mask
-                if len(x) > max_len:
-                    if on_overlength == "error":
-                        raise DatasetError(f"sample {s.index} has {len(x)} tokens; at most max_model_len - 1 "
-                                           f"= {max_len} fit (use --on-overlength truncate|skip)")
-                    if on_overlength == "skip":
-                        stats["skipped_overlength"].append(s.index)
-                        continue
-                    stats["truncated"].append(s.index)
-                    x, m = x[:max_len], (m[:max_len] if m is not None else None)
-                ids.append(x)
-                masks.append(m)
-                keep.append(s)
-            if not keep:
-                bar.update(len(batch))
-                continue
-            results = generator.generate(ids)
-            items = []
-            for s, r, m in zip(keep, results, masks):
-                if s.index in done:
-                    continue
-                lm = torch.as_tensor(m if m is not None else [1] * len(r["input_ids"]), dtype=torch.long)
-                items.append((s.index, {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
-                                        "loss_mask": lm}))
-                stats["tokens"] += len(r["input_ids"])
-                stats["hidden_size"] = int(r["hidden_states"][0].shape[-1])
-            stats["computed"] += len(keep)
-            stats["written_new"] += len(items)
-            stats["skipped_done"] += len(batch) - len(todo)
-            writer.put(items)
-            bar.update(len(batch))
-            bar.set_postfix_str(f"{stats['tokens'] / max(time.time() - t_compute, 1e-9):,.0f} tok/s", refresh=False)
-        stats["samples_seen"] = n_seen
-    finally:
-        bar.close()
+        max_len = generator.engine.max_model_len - 1
+        t_compute = time.time()  # throughput counts from here: engine start-up is reported apart
+        run_info = {"model": os.path.abspath(model) if os.path.exists(model) else model,
+                    "input": os.path.abspath(input_path), "layer_ids": list(generator.layer_ids),
+                    "layer_id_convention": "upstream", "format": fmt, "batch_size": batch_size,
+                    "max_model_len": max_len + 1, "on_overlength": on_overlength,
+                    "dtype": str(generator.vllm_config.model_config.dtype).replace("torch.", "")}
+        out = OutputDir(output, fmt)
+        done = out.prepare(run_info)
+        writer_mode = choose_writer(writer, generator)
+        if writer_mode == "process":
+            describe = getattr(generator.engine, "describe", None) or (lambda t: None)
+            writer = ProcessWriter(out, describe, queue_size, writer_threads)
+        else:
+            writer = BackgroundWriter(out, queue_size, writer_threads)
+        bar = _progress(total, progress, initial=0)
+        stats = {"samples_seen": 0, "skipped_done": 0, "computed": 0, "written_new": 0, "tokens": 0,
+                 "truncated": [], "skipped_overlength": []}
+        n_seen = 0
         try:
-            writer.close()
-        except Exception as e:  # don't mask the original error; report the writer's own failure
-            if sys.exc_info()[0] is None:
-                raise
-            logger.error("writer failed while handling another error: %s", e)
-    manifest = out.finalize(n_seen, extra={
-        "model": run_info["model"], "layer_ids": run_info["layer_ids"], "num_samples": n_seen,
-        "truncated": stats["truncated"], "skipped_overlength": stats["skipped_overlength"],
-        "versions": versions.report(), "hidden_size": stats.get("hidden_size")})
-    took = time.time() - t0
-    summary = {"output": str(out.root), "samples": n_seen, "files": manifest["num_files"],
-               "new_files": stats["written_new"], "already_done": stats["skipped_done"],
-               "computed": stats["computed"], "tokens_computed": stats["tokens"],
-               "bytes": manifest["total_bytes"], "seconds": round(took, 2),
-               "engine_start_s": round(t_compute - t0, 2),
-               "tokens_per_s": round(stats["tokens"] / max(time.time() - t_compute, 1e-9), 1),
-               "truncated": len(stats["truncated"]), "skipped_overlength": len(stats["skipped_overlength"]),
-               "writer": writer_mode}
-    if writer_mode == "process":
-        summary["files_by_writer_processes"] = writer.in_processes
-    with open(out.root / "runs.jsonl", "a") as f:  # timings live here, not in the manifest
-        f.write(json.dumps(summary) + "\n")
-    return summary
+            for batch in _batches(samples, batch_size):
+                n_seen += len(batch)
+                todo = [s for s in batch if s.index not in done]
+                if not todo:
+                    stats["skipped_done"] += len(batch)
+                    bar.update(len(batch))
+                    continue
+                ids, masks, keep = [], [], []
+                for s in batch:
+                    x, m = s.input_ids, s.loss_mask
+                    if len(x) > max_len:
+                        if on_overlength == "error":
+                            raise DatasetError(f"sample {s.index} has {len(x)} tokens; at most max_model_len - 1 "
+                                               f"= {max_len} fit (use --on-overlength truncate|skip)")
+                        if on_overlength == "skip":
+                            stats["skipped_overlength"].append(s.index)
+                            continue
+                        stats["truncated"].append(s.index)
+                        x, m = x[:max_len], (m[:max_len] if m is not None else None)
+                    ids.append(x)
+                    masks.append(m)
+                    keep.append(s)
+                if not keep:
+                    bar.update(len(batch))
+                    continue
+                results = generator.generate(ids)
+                items = []
+                for s, r, m in zip(keep, results, masks):
+                    if s.index in done:
+                        continue
+                    lm = torch.as_tensor(m if m is not None else [1] * len(r["input_ids"]), dtype=torch.long)
+                    items.append((s.index, {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
+                                            "loss_mask": lm}))
+                    stats["tokens"] += len(r["input_ids"])
+                    stats["hidden_size"] = int(r["hidden_states"][0].shape[-1])
+                stats["computed"] += len(keep)
+                stats["written_new"] += len(items)
+                stats["skipped_done"] += len(batch) - len(todo)
+                writer.put(items)
+                bar.update(len(batch))
+                bar.set_postfix_str(f"{stats['tokens'] / max(time.time() - t_compute, 1e-9):,.0f} tok/s", refresh=False)
+            stats["samples_seen"] = n_seen
+        finally:
+            bar.close()
+            try:
+                writer.close()
+            except Exception as e:  # don't mask the original error; report the writer's own failure
+                if sys.exc_info()[0] is None:
+                    raise
+                logger.error("writer failed while handling another error: %s", e)
+        manifest = out.finalize(n_seen, extra={
+            "model": run_info["model"], "layer_ids": run_info["layer_ids"], "num_samples": n_seen,
+            "truncated": stats["truncated"], "skipped_overlength": stats["skipped_overlength"],
+            "versions": versions.report(), "hidden_size": stats.get("hidden_size")})
+        took = time.time() - t0
+        summary = {"output": str(out.root), "samples": n_seen, "files": manifest["num_files"],
+                   "new_files": stats["written_new"], "already_done": stats["skipped_done"],
+                   "computed": stats["computed"], "tokens_computed": stats["tokens"],
+                   "bytes": manifest["total_bytes"], "seconds": round(took, 2),
+                   "engine_start_s": round(t_compute - t0, 2),
+                   "tokens_per_s": round(stats["tokens"] / max(time.time() - t_compute, 1e-9), 1),
+                   "truncated": len(stats["truncated"]), "skipped_overlength": len(stats["skipped_overlength"]),
+                   "writer": writer_mode}
+        if writer_mode == "process":
+            summary["files_by_writer_processes"] = writer.in_processes
+        with open(out.root / "runs.jsonl", "a") as f:  # timings live here, not in the manifest
+            f.write(json.dumps(summary) + "\n")
+        return summary
+    finally:
+        if own_generator:  # ours to close: its engine's workers and /dev/shm arena go with it
+            generator.close()
 
 
 def _progress(total, enabled: bool, initial: int = 0):

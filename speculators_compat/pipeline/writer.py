@@ -290,27 +290,34 @@ def _writer_process_main(task_q, result_q) -> None:
             continue
         if task is None:
             return
-        root, fmt, index, input_ids, loss_mask, blocks, hidden, dtype_name = task
-        layers = sample = buf = None
-        try:
-            dtype = getattr(torch, dtype_name)
-            layers = []
-            for path, off, rows in blocks:
-                mm = maps.get(path)
-                if mm is None:
-                    with open(path, "r+b") as f:
-                        mm = maps[path] = mmap.mmap(f.fileno(), 0)
-                buf = np.frombuffer(mm, dtype=np.uint8, count=rows * hidden * dtype.itemsize, offset=off)
-                layers.append(torch.from_numpy(buf).view(dtype).view(rows, hidden))
-            sample = {"input_ids": torch.from_numpy(input_ids), "hidden_states": layers,
-                      "loss_mask": torch.from_numpy(loss_mask)}
-            digest, nbytes = write_sample(Path(root) / file_name(index, fmt), sample, fmt)
-            result_q.put(("ok", index, digest, nbytes, int(input_ids.size)))
-        except BaseException as e:  # reported to the driver, which stops the run
-            result_q.put(("error", index, f"{type(e).__name__}: {e}"))
-        finally:
+        root, fmt, entries = task
+        done = []
+        for index, input_ids, loss_mask, blocks, hidden, dtype_name in entries:
             layers = sample = buf = None
-            gc.collect(1)  # torch.save < 2.9 leaves a cycle holding the saved storages (our mapping)
+            try:
+                dtype = getattr(torch, dtype_name)
+                layers = []
+                for path, off, rows in blocks:
+                    mm = maps.get(path)
+                    if mm is None:
+                        with open(path, "r+b") as f:
+                            mm = maps[path] = mmap.mmap(f.fileno(), 0)
+                    buf = np.frombuffer(mm, dtype=np.uint8, count=rows * hidden * dtype.itemsize, offset=off)
+                    layers.append(torch.from_numpy(buf).view(dtype).view(rows, hidden))
+                sample = {"input_ids": torch.from_numpy(input_ids), "hidden_states": layers,
+                          "loss_mask": torch.from_numpy(loss_mask)}
+                digest, nbytes = write_sample(Path(root) / file_name(index, fmt), sample, fmt)
+                done.append((index, digest, nbytes, int(input_ids.size)))
+            except BaseException as e:  # reported to the driver, which stops the run
+                result_q.put(("ok", done))
+                done = []
+                result_q.put(("error", index, f"{type(e).__name__}: {e}"))
+                break
+            finally:
+                layers = sample = buf = None
+        if done:
+            result_q.put(("ok", done))  # one message a chunk: the driver's threads wake up rarely
+        gc.collect(1)  # torch.save < 2.9 leaves a cycle holding the saved storages (our mapping)
         for p in [p for p in maps if not os.path.exists(p)]:  # the engine released that arena file
             try:
                 maps.pop(p).close()
@@ -439,18 +446,23 @@ class ProcessWriter:
             self._batches[batch] = len(items)
             for index, sample in items:
                 self._pending[index] = (batch, sample)
-        root, fmt = str(self.out.root), self.out.fmt
+        entries = []
         for index, sample in items:
             blocks = [self.describe(h) for h in sample["hidden_states"]]
             if all(b is not None for b in blocks):
                 h0 = sample["hidden_states"][0]
-                self.pool.tasks.put((root, fmt, index, np.ascontiguousarray(sample["input_ids"].numpy()),
-                                     np.ascontiguousarray(sample["loss_mask"].numpy()), blocks,
-                                     int(h0.shape[-1]), str(h0.dtype).replace("torch.", "")))
-                self.in_processes += 1
+                entries.append((index, np.ascontiguousarray(sample["input_ids"].numpy()),
+                                np.ascontiguousarray(sample["loss_mask"].numpy()), blocks,
+                                int(h0.shape[-1]), str(h0.dtype).replace("torch.", "")))
             else:
                 self._local.submit(self._write_local, index, sample)
                 self.on_threads += 1
+        # one task per process and batch (not per sample): every message costs the driver's
+        # feeder and collector threads a turn at the GIL, which the engine loop's spin-wait holds
+        per = -(-len(entries) // len(self.pool.procs)) if entries else 1
+        for k in range(0, len(entries), per):
+            self.pool.tasks.put((str(self.out.root), self.out.fmt, entries[k:k + per]))
+        self.in_processes += len(entries)
 
     def _write_local(self, index: int, sample: dict) -> None:
         try:
@@ -500,7 +512,8 @@ class ProcessWriter:
                 continue
             try:
                 if msg[0] == "ok":
-                    self._done(*msg[1:])
+                    for rec in msg[1]:
+                        self._done(*rec)
                 elif msg[0] == "error":
                     self._fail(OutputError(f"writing sample {msg[1]} failed: {msg[2]}"))
             except BaseException as e:  # never leave close() waiting on a dead collector

@@ -197,14 +197,19 @@ def test_killed_worker_errors_fast_and_resume_is_identical(llama_path, tmp_path)
 def test_kimi_recipe_runs_on_the_tiny_model(llama_path, tmp_path):
     """examples/kimi_k25_int4_8gpu.py with the tiny model in place of Kimi (TP=1, CPU): every setting
     of the recipe except the model and the parallelism is the real one."""
+    import glob
+
     root = Path(__file__).resolve().parents[2]
     make_jsonl(tmp_path / "in.jsonl", lengths=[30, 200, 7, 90], seed=4)
+    before = set(glob.glob("/dev/shm/speculators-compat-*"))
     r = subprocess.run([sys.executable, str(root / "examples" / "kimi_k25_int4_8gpu.py"), "--model", llama_path,
                         "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
                         "--tensor-parallel-size", "1", "--layer-ids", "1,3,5", "--max-model-len", "2048"],
                        capture_output=True, text=True, env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["num_files"] == 4
+    # the pipeline closes the engine it started: no arena file of it is left in /dev/shm
+    assert set(glob.glob("/dev/shm/speculators-compat-*")) <= before
 
 
 @pytest.mark.slow
