@@ -298,20 +298,40 @@ def test_free_slabs_kept_up_to_the_recent_peak_then_released(prefix):
     a.close()
 
 
-def test_sweep_removes_only_files_of_dead_drivers(tmp_path):
+def test_sweep_removes_only_files_of_engines_that_are_gone(tmp_path):
+    """A group of hand-off files is stale when nobody holds its lock: a live engine's (lock held,
+    here by another process) and a lock-less group stay; a group whose holder died goes."""
     import subprocess
     import sys
 
     from speculators_compat.engine import core
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
-    names = {f"speculators-compat-{dead}-0a1b2c3d-arena1": False,   # its driver is gone: removed
-             f"speculators-compat-{os.getpid()}-0a1b2c3d-arena1": True,  # a live driver's
-             "speculators-compat-0a1b2c3d-arena2": True,  # no pid in the name (older releases)
-             "unrelated-file": True}
-    for n in names:
-        (tmp_path / n).write_bytes(b"x")
-    removed = core.sweep_stale_handoff_files(str(tmp_path))
-    assert removed == [f"speculators-compat-{dead}-0a1b2c3d-arena1"]
-    assert {n: (tmp_path / n).exists() for n in names} == names
+    d = str(tmp_path)
+    dead = os.path.join(d, "speculators-compat-0000dead-")
+    live = os.path.join(d, "speculators-compat-0000a11e-")
+    for p in (dead, live):
+        (tmp_path / (os.path.basename(p) + "arena1")).write_bytes(b"x")
+        (tmp_path / (os.path.basename(p) + "arena2")).write_bytes(b"x")
+    (tmp_path / "speculators-compat-00001e9a-arena1").write_bytes(b"x")  # no lock file (older release)
+    (tmp_path / "unrelated").write_bytes(b"x")
+    # the dead engine held its lock in a process that has exited
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[2]); "
+                    "from speculators_compat.engine import core; core.hold_handoff_lock(sys.argv[1])",
+                    dead, os.getcwd()], check=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[2]); "
+                               "from speculators_compat.engine import core; core.hold_handoff_lock(sys.argv[1]); "
+                               "print('held', flush=True); time.sleep(60)", live, os.getcwd()],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        removed = core.sweep_stale_handoff_files(d)
+        assert sorted(removed) == sorted(os.path.basename(dead) + x for x in ("arena1", "arena2", "lock"))
+        assert sorted(os.listdir(d)) == sorted([os.path.basename(live) + x for x in ("arena1", "arena2", "lock")]
+                                               + ["speculators-compat-00001e9a-arena1", "unrelated"])
+        with pytest.raises(OSError):  # and a second engine cannot take a live engine's lock
+            core.hold_handoff_lock(live)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(core.sweep_stale_handoff_files(d)) == sorted(os.path.basename(live) + x
+                                                               for x in ("arena1", "arena2", "lock"))

@@ -47,40 +47,63 @@ def _handoff_prefix(uid: str) -> str | None:
         logger.warning("speculators_compat: /dev/shm is not writable; captured states travel over RPC (slower)")
         return None
     sweep_stale_handoff_files(d)
-    return os.path.join(d, f"speculators-compat-{os.getpid()}-{uid}-")
+    return os.path.join(d, f"speculators-compat-{uid}-")
 
 
-_HANDOFF_FILE_RE = __import__("re").compile(r"^speculators-compat-(\d+)-[0-9a-f]+-")
+LOCK_SUFFIX = "lock"
+
+
+def hold_handoff_lock(prefix: str) -> int:
+    """Create ``<prefix>lock`` and hold an exclusive flock on it for the engine's life (the fd is
+    returned; closing it, or the process dying, releases it). The lock, not a pid, marks the files
+    under ``prefix`` as in use: it holds across pid namespaces (containers sharing /dev/shm)."""
+    import fcntl
+
+    fd = os.open(prefix + LOCK_SUFFIX, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def sweep_stale_handoff_files(d: str) -> list[str]:
-    """Remove hand-off files whose driver process is gone (one killed with SIGKILL cannot clean
-    up; its arena files would hold /dev/shm memory until reboot). A file of a live process, or
-    one without a driver pid in its name, is left alone."""
-    removed = []
+    """Remove the hand-off files of engines that are gone: a driver killed with SIGKILL cannot clean
+    up, and its arena files would hold /dev/shm memory until reboot. A group of files is stale
+    when its lock file exists and nobody holds the lock; a group without a lock file (an older
+    release's) is left alone."""
+    import fcntl
+
+    removed: list[str] = []
     try:
         names = os.listdir(d)
     except OSError:
         return removed
-    for name in names:
-        m = _HANDOFF_FILE_RE.match(name)
-        if not m:
-            continue
-        pid = int(m.group(1))
+    for lock in [n for n in names if n.startswith("speculators-compat-") and n.endswith("-" + LOCK_SUFFIX)]:
+        prefix = lock[: -len(LOCK_SUFFIX)]
         try:
-            os.kill(pid, 0)
-            continue  # alive (or someone else's pid now): not ours to judge
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
+            fd = os.open(os.path.join(d, lock), os.O_RDWR)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
         try:
-            os.unlink(os.path.join(d, name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: that engine is alive
+            for n in names:
+                if n.startswith(prefix) and n != lock:
+                    try:
+                        os.unlink(os.path.join(d, n))
+                        removed.append(n)
+                    except FileNotFoundError:
+                        pass
+            os.unlink(os.path.join(d, lock))  # last, while we hold it
+            removed.append(lock)
+        finally:
+            os.close(fd)
     if removed:
-        logger.info("speculators_compat: removed %d hand-off file(s) of dead processes from %s", len(removed), d)
+        logger.info("speculators_compat: removed %d hand-off file(s) of engines that are gone from %s", len(removed), d)
     return removed
 
 
@@ -434,6 +457,8 @@ class ExtractionEngine:
         self._uid = uuid.uuid4().hex[:8]
         self._calls = 0
         self._handoff_prefix = _handoff_prefix(self._uid)
+        # held until shutdown: marks this engine's /dev/shm files as in use for other engines' sweeps
+        self._handoff_lock = hold_handoff_lock(self._handoff_prefix) if self._handoff_prefix else None
         self.timings = {"drive_s": 0.0, "handoff_s": 0.0}
         # Does collective_rpc(unique_reply_rank=0) hand back the value (0.12+) or a 1-list (0.11)?
         # Probe the behaviour instead of trusting a version number.
@@ -549,11 +574,14 @@ class ExtractionEngine:
         if self._handoff_prefix:
             import glob
 
-            for f in glob.glob(self._handoff_prefix + "*"):
+            for f in glob.glob(self._handoff_prefix + "*"):  # the lock file too, while we hold it
                 try:
                     os.unlink(f)
                 except FileNotFoundError:
                     pass
+        if getattr(self, "_handoff_lock", None) is not None:
+            os.close(self._handoff_lock)
+            self._handoff_lock = None
 
     def _on_worker_failure(self) -> None:  # called by vLLM's worker monitor thread
         self._worker_failed = True
