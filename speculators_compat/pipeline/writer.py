@@ -15,6 +15,7 @@ memory holds at most ``queue_size`` batches.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import json
@@ -377,9 +378,6 @@ def writer_pool(n: int | None = None) -> _WriterPool:
             _POOL = None
         if _POOL is None:
             _POOL = _WriterPool(n)
-            import atexit
-
-            atexit.register(shutdown_writer_pool)
         return _POOL
 
 
@@ -389,6 +387,9 @@ def shutdown_writer_pool(graceful: bool = True) -> None:
         if _POOL is not None:
             _POOL.close(graceful)
             _POOL = None
+
+
+atexit.register(shutdown_writer_pool)  # let the processes finish and exit before the interpreter
 
 
 class ProcessWriter:
