@@ -163,12 +163,13 @@ def test_copy_threads_auto(monkeypatch):
     assert core._ArenaReader("malloc").threads == 3
 
 
-@pytest.mark.parametrize("bad", ["0", "-2", "four"])
-def test_copy_threads_env_is_checked(monkeypatch, bad):
+@pytest.mark.parametrize("env,bad", [("SPECULATORS_COMPAT_COPY_THREADS", b) for b in ("0", "-2", "four")]
+                         + [("SPECULATORS_COMPAT_ZERO_COPY", b) for b in ("yes", "2", "")])
+def test_reader_env_is_checked(monkeypatch, env, bad):
     from speculators_compat.engine import core
 
-    monkeypatch.setenv(core.COPY_THREADS_ENV, bad)
-    with pytest.raises(ValueError, match="SPECULATORS_COMPAT_COPY_THREADS"):
+    monkeypatch.setenv(env, bad)
+    with pytest.raises(ValueError, match=env):
         core._ArenaReader("malloc")
 
 
@@ -272,15 +273,6 @@ def test_copy_mode_lends_nothing(prefix):
     t = r.assemble(blocks, hidden, dtype)
     assert r.busy() == [] and torch.equal(t, a.view(a.cur, blocks[0][1], 9, hidden, dtype))
     a.close()
-
-
-@pytest.mark.parametrize("bad", ["yes", "2", ""])
-def test_zero_copy_env_is_checked(monkeypatch, bad):
-    from speculators_compat.engine import core
-
-    monkeypatch.setenv(core.ZERO_COPY_ENV, bad)
-    with pytest.raises(ValueError, match="SPECULATORS_COMPAT_ZERO_COPY"):
-        core._ArenaReader("malloc")
 
 
 def test_free_slabs_kept_up_to_the_recent_peak_then_released(prefix):

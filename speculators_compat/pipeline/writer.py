@@ -174,6 +174,26 @@ class OutputDir:
         return manifest
 
 
+class _ChecksumLog:
+    """``checksums.jsonl``: one line per finished file, appended as files complete (both writers).
+    Not locked: callers serialise ``add``."""
+
+    def __init__(self, out: OutputDir):
+        self.fmt = out.fmt
+        self.f = open(out.root / "checksums.jsonl", "a", encoding="utf-8")
+        self.written = 0
+
+    def add(self, index: int, digest: str, nbytes: int, tokens: int) -> None:
+        rec = {"index": index, "file": file_name(index, self.fmt), "sha256": digest, "bytes": nbytes,
+               "tokens": tokens}
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+        self.written += 1
+
+    def close(self) -> None:
+        self.f.close()
+
+
 def default_writer_threads() -> int:
     """Half the CPUs, 2..8 (1 on one CPU). Each thread streams torch.save through sha256, ~0.6-1
     GiB/s a thread; an H200 host's generate() outruns 4 of them (docs/gpu-results.md)."""
@@ -192,9 +212,7 @@ class BackgroundWriter:
         self.out = out
         self.q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.error: BaseException | None = None
-        self.written = 0
-        self.bytes = 0
-        self._sums = open(out.root / "checksums.jsonl", "a", encoding="utf-8")
+        self._sums = _ChecksumLog(out)
         self._lock = threading.Lock()
         # Files of one batch are written in parallel (hashing and file writes release the GIL);
         # the next batch waits, so memory stays bounded by queue_size + 1 batches.
@@ -231,17 +249,15 @@ class BackgroundWriter:
             except BaseException as e:  # disk full, permissions: surfaced to the producer by check()
                 self.error = e
 
+    @property
+    def written(self) -> int:
+        return self._sums.written
+
     def _write_one(self, item: tuple[int, dict]) -> None:
         index, sample = item
-        name = file_name(index, self.out.fmt)
-        digest, nbytes = write_sample(self.out.root / name, sample, self.out.fmt)
-        rec = {"index": index, "file": name, "sha256": digest, "bytes": nbytes,
-               "tokens": int(sample["input_ids"].numel())}
+        digest, nbytes = write_sample(self.out.root / file_name(index, self.out.fmt), sample, self.out.fmt)
         with self._lock:
-            self._sums.write(json.dumps(rec) + "\n")
-            self._sums.flush()
-            self.written += 1
-            self.bytes += nbytes
+            self._sums.add(index, digest, nbytes, int(sample["input_ids"].numel()))
 
     def close(self) -> None:
         self.q.put(None)
@@ -413,11 +429,9 @@ class ProcessWriter:
             raise OutputError("another pipeline in this process is using the writer processes")
         self.out, self.describe, self.limit = out, describe, max(1, queue_size) + 1
         self.error: BaseException | None = None
-        self.written = 0
-        self.bytes = 0
         self.in_processes = 0  # samples sent as (file, offset, rows) to a writer process
         self.on_threads = 0  # samples written on the local thread (rows not lent)
-        self._sums = open(out.root / "checksums.jsonl", "a", encoding="utf-8")
+        self._sums = _ChecksumLog(out)
         self._cv = threading.Condition()
         self._pending: dict[int, tuple[int, dict]] = {}  # index -> (batch, sample), until written
         self._batches: dict[int, int] = {}  # batch -> samples not yet written
@@ -473,16 +487,15 @@ class ProcessWriter:
             self._fail(e)
 
     # -------------------------------------------------------------- results
+    @property
+    def written(self) -> int:
+        return self._sums.written
+
     def _done(self, index: int, digest: str, nbytes: int, tokens: int) -> None:
-        rec = {"index": index, "file": file_name(index, self.out.fmt), "sha256": digest, "bytes": nbytes,
-               "tokens": tokens}
         with self._cv:
             if index not in self._pending:  # not ours (cannot happen: the pool restarts after a failure)
                 raise OutputError(f"writer process reported sample {index}, which this run did not send")
-            self._sums.write(json.dumps(rec) + "\n")
-            self._sums.flush()
-            self.written += 1
-            self.bytes += nbytes
+            self._sums.add(index, digest, nbytes, tokens)
             batch, _ = self._pending.pop(index)  # drops the sample: its rows may be reused
             self._batches[batch] -= 1
             if not self._batches[batch]:
