@@ -133,6 +133,10 @@ class VllmHiddenStatesGenerator:
                  enable_expert_parallel: bool = False, async_scheduling: str | None = None,
                  layer_id_convention: str = "upstream", on_overlength: str = "truncate",
                  engine_kwargs: dict | None = None):
+        if isinstance(model_path, os.PathLike):
+            model_path = os.fspath(model_path)  # (vLLM itself calls str methods on it)
+        if not isinstance(model_path, str):
+            raise TypeError(f"model_path must be a path (str or os.PathLike), not {type(model_path).__name__}")
         if on_overlength not in ("truncate", "error"):
             raise ValueError(f"on_overlength must be 'truncate' or 'error', not {on_overlength!r}")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:

@@ -247,6 +247,39 @@ def test_lent_tensor_is_exactly_its_block_and_busy_until_every_view_dies(prefix,
     a.close()
 
 
+def test_rows_dropped_into_an_old_garbage_cycle_come_back(prefix):
+    """A lent tensor the caller dropped while it sat in a reference cycle that had already been
+    promoted to the oldest GC generation (torch.save makes such cycles; so can any code): the
+    young-generation collection cannot free it, so busy() runs a full collection, spaced so it
+    costs at most 1/FULL_GC_SPACING of the time."""
+    import gc
+
+    from speculators_compat.engine import core
+
+    hidden, dtype = 32, torch.float32
+    a, blocks = _filled_arena(prefix, hidden, dtype, [4])
+    r = core._ArenaReader("malloc", threads=1, lend=True)
+    holder = [r.assemble(blocks, hidden, dtype)]
+    holder.append(holder)  # a cycle ...
+    gc.collect(1)  # ... that survives into the oldest generation while still referenced
+    gc.collect(1)
+    del holder  # now garbage that only a full collection frees
+    gc.disable()  # (no automatic collection may free it behind the test's back)
+    try:
+        before = r.full_collections
+        assert r.busy() == []
+        assert r.full_collections == before + 1
+        held = r.assemble(blocks, hidden, dtype)  # really held: busy, and no second full collection
+        r._next_full_gc = float("inf")  # as if one had just run
+        assert r.busy() == [blocks[0][0]] and r.full_collections == before + 1
+        del held
+        assert r.busy() == []
+    finally:
+        gc.enable()
+    r.close()
+    a.close()
+
+
 def test_lent_rows_outlive_the_worker_arena(prefix):
     """A lent tensor keeps its own mapping: the worker releasing (unlinking) the slab, or the
     engine shutting down, does not take the caller's data away."""

@@ -1,4 +1,5 @@
 """Pipeline pieces without an engine: dataset parsing errors, output-dir guards, writer failures."""
+import io
 import json
 import os
 
@@ -291,3 +292,34 @@ def test_process_writer_failure_names_the_sample(tmp_path):
     bw.put([(7, {"input_ids": torch.arange(2), "hidden_states": [torch.ones(2, 8)], "loss_mask": torch.ones(2)})])
     with pytest.raises(OutputError, match=r"sample 7 failed: FileNotFoundError"):
         bw.close()
+
+
+@pytest.mark.parametrize("rows", [3, 4096])  # in-memory and streamed writes
+def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows):
+    """torch.save in torch 2.8 and 2.9 leaves a garbage cycle that references every storage it
+    saved (a per-call pickler class; so this fails there without the fix, not on torch >= 2.10). write_sample saves aliases, so the caller's storage dies as soon as the
+    caller drops it, with the GC off; the file's bytes are those torch.save gives the original."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    torch = pytest.importorskip("torch")
+    from speculators_compat.pipeline.writer import write_sample
+
+    buf = np.frombuffer(bytearray(torch.randn(rows, 64).numpy().tobytes()), dtype=np.float32)
+    died = []
+    weakref.finalize(buf, died.append, True)
+    h = torch.from_numpy(buf).view(rows, 64)
+    sample = {"input_ids": torch.arange(rows), "hidden_states": [h, h[:1].clone()], "loss_mask": torch.ones(rows)}
+    ref = io.BytesIO()  # (write_sample saves to unnamed files too: the archive inside gets one name)
+    torch.save(sample, ref)
+    gc.collect()  # (that save's own cycle)
+    gc.disable()
+    try:
+        write_sample(tmp_path / "data_0.pt", sample, "pt")
+        del sample, h, buf
+        assert died == [True], "the saved storage is still referenced after the caller dropped it"
+    finally:
+        gc.enable()
+    assert (tmp_path / "data_0.pt").read_bytes() == ref.getvalue()

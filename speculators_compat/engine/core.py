@@ -34,6 +34,7 @@ WORKER_EXTENSION = "speculators_compat.engine.worker.CaptureExtension"
 ASYNC_ENV = "SPECULATORS_COMPAT_ASYNC"
 ASYNC_CHOICES = ("disable", "keep")
 HANDOFF_ENV = "SPECULATORS_COMPAT_HANDOFF"  # "shm" (default: files in /dev/shm) | "rpc" (pickled)
+FULL_GC_SPACING = 50  # a full GC for lent rows held by garbage cycles: at most 1/50 of the time (see busy())
 
 
 def _handoff_prefix(uid: str) -> str | None:
@@ -180,6 +181,8 @@ class _ArenaReader:
         self._lent: dict[str, int] = {}  # path -> live lent buffers
         self._blocks: dict[int, tuple] = {}  # storage address of a live lent buffer -> (path, offset, bytes)
         self._lent_lock = threading.RLock()  # a finaliser may run (GC) while this thread holds it
+        self._next_full_gc = 0.0  # see busy()
+        self.full_collections = 0
         self._pool = None
         self.threads = 1
         self.set_mode(mode)
@@ -230,18 +233,33 @@ class _ArenaReader:
     def busy(self) -> list[str]:
         """Arena files some lent tensor still lives in (the worker must not refill them).
 
-        torch.save before torch 2.9 leaves a reference cycle holding every storage it saved, so
-        rows a caller saved and dropped stay alive until the cyclic GC runs: when anything is
-        busy, the young generations are collected first (cheap), so those slabs come back now."""
-        with self._lent_lock:
-            busy = [p for p, n in self._lent.items() if n > 0]
+        A dropped tensor can still be referenced from a garbage reference cycle (torch.save in
+        torch 2.8-2.9 makes one per call that holds every storage it saved; so can the caller's
+        code), and
+        such a cycle may already sit in the oldest GC generation. When anything is busy the
+        young generations are collected (cheap); when something is still busy, a full
+        collection runs too, at most once per ``FULL_GC_SPACING`` times its own last duration
+        (so it costs at most ~1/FULL_GC_SPACING of the run, e.g. when the caller keeps every
+        result). Without it such slabs stay busy until Python's own full collection, and the
+        worker grows its arena meanwhile."""
+        busy = self._busy_now()
         if busy:
             import gc
 
             gc.collect(1)
-            with self._lent_lock:
-                busy = [p for p, n in self._lent.items() if n > 0]
+            busy = self._busy_now()
+            now = time.monotonic()
+            if busy and now >= self._next_full_gc:
+                gc.collect()
+                done = time.monotonic()
+                self._next_full_gc = done + FULL_GC_SPACING * (done - now)
+                self.full_collections += 1
+                busy = self._busy_now()
         return busy
+
+    def _busy_now(self) -> list[str]:
+        with self._lent_lock:
+            return [p for p, n in self._lent.items() if n > 0]
 
     def _returned(self, path: str, ptr: int) -> None:  # a lent buffer died (any thread)
         with self._lent_lock:

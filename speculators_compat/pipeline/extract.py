@@ -74,6 +74,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 layer_id_convention: str = "upstream", writer: str = "auto", **gen_kwargs) -> dict[str, Any]:
     import torch
 
+    model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
     if writer not in WRITER_MODES:

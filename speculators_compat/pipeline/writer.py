@@ -60,6 +60,8 @@ def write_sample(path: Path, sample: dict[str, Any], fmt: str) -> tuple[str, int
     exceed ``SMALL_SAMPLE_BYTES`` streams torch.save into the file through a hash (no in-memory
     copy); a smaller one is serialised in memory and written with one call, which per-file costs
     dominate (tiny model, CPU: 0.74-0.75 vs 0.82-0.83 ms a file). Both give the same bytes."""
+    if fmt == "pt":
+        sample = _unowned_states(sample)
     if fmt != "pt" or _payload_bytes(sample) <= SMALL_SAMPLE_BYTES:
         # safetensors, or a small sample: serialise in memory, write once, hash the same bytes
         # (torch.save streaming into a file makes ~64 small writes a file)
@@ -74,6 +76,35 @@ def write_sample(path: Path, sample: dict[str, Any], fmt: str) -> tuple[str, int
         torch.save(sample, hf)
     os.replace(tmp, path)
     return hf.h.hexdigest(), hf.n
+
+
+def _unowned_states(sample: dict[str, Any]) -> dict[str, Any]:
+    """``sample`` with each hidden state replaced by a tensor over the same bytes that owns no
+    reference to the original storage.
+
+    torch.save in torch 2.8 and 2.9 (not 2.10 or 2.13: checked) builds a local pickler class per
+    call whose closure holds every storage it saved; a class always sits in a reference cycle,
+    so those storages stay referenced until the cyclic GC frees that cycle, and
+    the cycle may already be in the oldest generation by then (seen: the engine's lent rows
+    stayed "busy" after the pipeline had dropped them). Saving aliases keeps the caller's
+    storages out of that cycle. Only a state whose storage is exactly its bytes is aliased, so
+    the file is byte-identical to saving the original; the caller holds ``sample`` for the whole
+    save, so the memory stays valid while the alias is read, and nothing reads it afterwards."""
+    import ctypes
+
+    import torch
+
+    def alias(h):
+        if not isinstance(h, torch.Tensor) or h.device.type != "cpu" or not h.is_contiguous():
+            return h
+        nbytes = h.numel() * h.element_size()
+        st = h.untyped_storage()
+        if nbytes == 0 or h.storage_offset() != 0 or st.nbytes() != nbytes:
+            return h
+        raw = (ctypes.c_ubyte * nbytes).from_address(h.data_ptr())
+        return torch.frombuffer(raw, dtype=torch.uint8).view(h.dtype).view(h.shape)
+
+    return {**sample, "hidden_states": [alias(h) for h in sample["hidden_states"]]}
 
 
 def _torch_bytes(sample: dict[str, Any]) -> memoryview:
@@ -334,7 +365,7 @@ def _writer_process_main(task_q, result_q) -> None:
                 layers = sample = buf = None
         if done:
             result_q.put(("ok", done))  # one message a chunk: the driver's threads wake up rarely
-        gc.collect(1)  # torch.save < 2.9 leaves a cycle holding the saved storages (our mapping)
+        gc.collect(1)  # cycles made while writing (write_sample keeps the mapped rows out of torch.save's)
         for p in [p for p in maps if not os.path.exists(p)]:  # the engine released that arena file
             try:
                 maps.pop(p).close()

@@ -153,8 +153,11 @@ def test_copy_hand_off_matches_hf(gen, llama_path, hf_ref):
 
 def test_handoff_files_removed_at_close(llama_path):
     import glob
+    from pathlib import Path
 
-    g = VllmHiddenStatesGenerator(llama_path, layer_ids=[1], max_model_len=512, dtype="float32")
+    # (a pathlib.Path model: vLLM 0.12 failed on one with AttributeError 'lower' before we took it)
+    g = VllmHiddenStatesGenerator(Path(llama_path), layer_ids=[1], max_model_len=512, dtype="float32")
+    assert g.model_path == llama_path
     prefix = g.engine._handoff_prefix
     g.generate(models.random_prompts([50, 60], seed=3))
     assert prefix and glob.glob(prefix + "*"), "expected a /dev/shm arena while the engine lives"
@@ -246,6 +249,8 @@ def test_bad_constructor_arguments(llama_path, tmp_path):
         VllmHiddenStatesGenerator(llama_path, layer_ids=[1, 1])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         VllmHiddenStatesGenerator(str(tmp_path / "missing"))
+    with pytest.raises(TypeError, match="model_path must be a path"):
+        VllmHiddenStatesGenerator(None)
     with pytest.raises(ValueError, match="tensor_parallel_size=64"):
         VllmHiddenStatesGenerator(llama_path, tensor_parallel_size=64)
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "llama"}')

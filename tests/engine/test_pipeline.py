@@ -101,8 +101,9 @@ def test_process_writer_gives_the_same_dataset(gen, llama_path, tmp_path, fmt):
     run_extract(llama_path, str(tmp_path / "in.jsonl"), str(mixed), writer="thread", max_samples=6, **kw)
     run_extract(llama_path, str(tmp_path / "in.jsonl"), str(mixed), writer="process", **kw)
     assert read_dir(mixed) == read_dir(threads)
-    # every written sample gives its rows back (torch.save before 2.9 leaves a reference cycle
-    # holding what it saved: the reader collects the young generations before it answers)
+    # every written sample gives its rows back (torch.save in torch 2.8-2.9 leaves a garbage
+    # cycle holding what it saved, which may reach the oldest GC generation: write_sample saves
+    # aliases; this failed on CI, on vLLM 0.12 / torch 2.9.1, before that)
     assert gen.engine._reader.busy() == []
 
 
@@ -110,8 +111,8 @@ def test_safetensors_output(gen, llama_path, tmp_path):
     from safetensors.torch import load_file
 
     rows = make_jsonl(tmp_path / "in.jsonl", lengths=[12, 40, 7])
-    s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "st"), generator=gen, progress=False,
-                    fmt="safetensors")
+    s = run_extract(Path(llama_path), tmp_path / "in.jsonl", tmp_path / "st",  # (paths as Path objects too)
+                    generator=gen, progress=False, fmt="safetensors")
     assert s["files"] == 3
     d = load_file(str(tmp_path / "st" / "data_1.safetensors"))
     assert d["input_ids"].tolist() == rows[1]["input_ids"]
