@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--host-allocs", default="auto", help="GPU: e.g. 'malloc,pinned': where the driver's copies live")
     ap.add_argument("--copy-threads", default="1", help="GPU: e.g. '1,8': threads copying states out in the driver")
     ap.add_argument("--zero-copy", default="1", help="e.g. '1,0': lend arena rows (1) or copy them out (0)")
+    ap.add_argument("--driver-waits", default="block", help="e.g. 'block,spin': how the driver waits for its "
+                    "workers (SPECULATORS_COMPAT_DRIVER_WAIT)")
     ap.add_argument("--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)")
     ap.add_argument("--writer-modes", default="auto", help="e.g. 'thread,process': the pipeline's writer")
     ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
@@ -117,6 +119,7 @@ def main(argv=None) -> int:
     copy_modes = a.copy_modes.split(",") if cuda else ["cpu"]
     wts = [int(x) for x in a.writer_threads.split(",")] if a.writer_threads else [None]
     wms = a.writer_modes.split(",")
+    waits = a.driver_waits.split(",")
     if cuda:  # both engines alive; alternate call by call
         llm, raw = make_raw()
         gen, ours = make_ours()
@@ -126,15 +129,16 @@ def main(argv=None) -> int:
         allocs = a.host_allocs.split(",")
         threads = [int(x) for x in a.copy_threads.split(",")]
         zeros = [int(x) for x in a.zero_copy.split(",")]
-        variants = [(h, n, z) for h in allocs for n in threads for z in zeros]
+        variants = [(h, n, z, dw) for h in allocs for n in threads for z in zeros for dw in waits]
         for _ in range(a.reps):
             rec("raw", _timed(raw))
-            for h, n, z in variants:
+            for h, n, z, dw in variants:
                 gen.engine.set_host_alloc(h)
                 gen.engine.set_copy_threads(n)
                 gen.engine.set_zero_copy(bool(z))
+                gen.engine.set_driver_wait(dw)
                 tag = ((f"[{h}]" if len(allocs) > 1 else "") + (f"[t{n}]" if len(threads) > 1 else "")
-                       + (f"[z{z}]" if len(zeros) > 1 else ""))
+                       + (f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else ""))
                 for m in copy_modes:
                     if m != gen.engine.opts.copy_mode:  # a switch rebuilds the worker's arena:
                         gen.engine.set_copy_mode(m)     # that first call is set-up, not throughput
@@ -162,9 +166,10 @@ def main(argv=None) -> int:
                 pipeline_fn(gen, wts[0], wm)()
             zeros = [int(x) for x in a.zero_copy.split(",")]
             for _ in range(a.reps):
-                for z in zeros:
+                for z, dw in [(z, dw) for z in zeros for dw in waits]:
                     gen.engine.set_zero_copy(bool(z))
-                    tag = f"[z{z}]" if len(zeros) > 1 else ""
+                    gen.engine.set_driver_wait(dw)
+                    tag = (f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else "")
                     rec("generate[cpu]" + tag, _timed(ours))
                     for wt in wts:
                         for wm in wms:

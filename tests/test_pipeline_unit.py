@@ -302,9 +302,9 @@ def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows):
     import gc
     import weakref
 
+    torch = pytest.importorskip("torch")
     import numpy as np
 
-    torch = pytest.importorskip("torch")
     from speculators_compat.pipeline.writer import write_sample
 
     buf = np.frombuffer(bytearray(torch.randn(rows, 64).numpy().tobytes()), dtype=np.float32)

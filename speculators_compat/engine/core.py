@@ -28,6 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .driver_wait import driver_wait_from_env, set_driver_wait
+
 logger = logging.getLogger("speculators_compat.engine")
 
 WORKER_EXTENSION = "speculators_compat.engine.worker.CaptureExtension"
@@ -466,11 +468,14 @@ class ExtractionEngine:
             # config creation may have forced it (the CPU platform sets spawn); ours wins
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = opts.worker_start_method
         self._reader = _ArenaReader()  # reads its settings from the environment: fail before starting
+        wait_mode = driver_wait_from_env()
         executor_class = Executor.get_class(self.vllm_config)
         self._worker_failed = False
         self.core = EngineCore(self.vllm_config, executor_class, log_stats=False,
                                executor_fail_callback=self._on_worker_failure)
         self._closed = False
+        self._wait_saved: dict = {}
+        self.driver_wait = self.set_driver_wait(wait_mode)
         self._lock = threading.Lock()
         self._uid = uuid.uuid4().hex[:8]
         self._calls = 0
@@ -637,6 +642,12 @@ class ExtractionEngine:
     def set_zero_copy(self, on: bool) -> None:
         """Lend captured rows to the caller (True) or copy them out (False) from the next run on."""
         self._reader.lend = bool(on)
+
+    def set_driver_wait(self, mode: str) -> list[str]:
+        """``block`` (default) or ``spin`` (vLLM's): how the driver waits for replies
+        (engine/driver_wait.py). Returns how each reply queue waits now."""
+        self.driver_wait = set_driver_wait(self.executor, mode, self._wait_saved)
+        return self.driver_wait
 
     def set_copy_threads(self, n: int) -> None:
         """Threads that copy states out of the arena in the driver (benchmarks; default: auto)."""

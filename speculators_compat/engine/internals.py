@@ -37,4 +37,9 @@ INTERNALS = [
      "0.11-0.32", "low"),
     ("VLLM_WORKER_MULTIPROC_METHOD", "fork/spawn choice (CPU platform forces spawn at config time)",
      "0.11-0.32", "low"),
+    ("MultiprocExecutor.response_mqs (0.12+) / workers[i].worker_response_mq (0.11); "
+     "MessageQueue._read_spin_timer.spin() (0.11-0.17) / MessageQueue._spin_condition.wait() (0.18+)",
+     "the driver sleeps instead of spinning while it waits for a reply (engine/driver_wait.py; "
+     "SPECULATORS_COMPAT_DRIVER_WAIT=spin leaves vLLM's wait)",
+     "0.11-0.32 (source of every minor read; engine-tested on the CI matrix)", "low: speed only; a queue it does not recognise is logged and keeps vLLM's wait"),
 ]

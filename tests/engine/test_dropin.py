@@ -348,3 +348,38 @@ def test_fork_started_workers():
     assert result["bad"] == 0, result
 
 
+
+
+def test_driver_waits_for_replies_without_spinning(gen):
+    """vLLM's driver spins on its reply queue (a Python loop around sched_yield that holds the GIL
+    between yields) while the worker computes; the pipeline's writer threads then starve.
+    SPECULATORS_COMPAT_DRIVER_WAIT=block must leave the waiting thread idle: its CPU time over a
+    0.6 s worker call stays well below the call's length. ``spin`` (the default) is vLLM's own
+    wait, restored by switching back (this test's baseline: it spins for the whole call)."""
+    import time
+
+    ex = gen.engine.executor
+
+    def sleep_in_worker(worker, seconds):  # runs in the worker (a local function: sent by value)
+        import time
+
+        time.sleep(seconds)
+
+    def driver_cpu_during_call():
+        gen.engine._rpc_rank0_raw("compat_ping")  # a read just now: 0.18+ would spin for 1 s after it
+        t = time.thread_time()
+        ex.collective_rpc(sleep_in_worker, args=(0.6,))
+        return time.thread_time() - t
+
+    assert gen.engine.driver_wait and set(gen.engine.driver_wait) == {"spin"}, gen.engine.driver_wait
+    try:
+        how = gen.engine.set_driver_wait("block")
+        assert how and all(h.startswith("block") for h in how), how
+        blocked = driver_cpu_during_call()
+        assert set(gen.engine.set_driver_wait("spin")) == {"spin"}
+        spun = driver_cpu_during_call()
+    finally:
+        gen.engine.set_driver_wait("spin")
+    assert spun > 0.4, f"baseline: vLLM's own wait should spin (driver CPU {spun:.3f} s over 0.6 s)"
+    # (each 50 us sleep costs a wake-up: ~0.1 s of CPU over the call was seen on 2 cores)
+    assert blocked < min(0.25, spun / 2), f"driver used {blocked:.3f} s of CPU waiting 0.6 s (spinning: {spun:.3f})"
