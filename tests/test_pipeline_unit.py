@@ -311,7 +311,8 @@ def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows):
     died = []
     weakref.finalize(buf, died.append, True)
     h = torch.from_numpy(buf).view(rows, 64)
-    sample = {"input_ids": torch.arange(rows), "hidden_states": [h, h[:1].clone()], "loss_mask": torch.ones(rows)}
+    # (h twice: torch.save stores one storage for both, and so must the aliases)
+    sample = {"input_ids": torch.arange(rows), "hidden_states": [h, h[:1].clone(), h], "loss_mask": torch.ones(rows)}
     ref = io.BytesIO()  # (write_sample saves to unnamed files too: the archive inside gets one name)
     torch.save(sample, ref)
     gc.collect()  # (that save's own cycle)

@@ -237,9 +237,8 @@ class _ArenaReader:
 
         A dropped tensor can still be referenced from a garbage reference cycle (torch.save in
         torch 2.8-2.9 makes one per call that holds every storage it saved; so can the caller's
-        code), and
-        such a cycle may already sit in the oldest GC generation. When anything is busy the
-        young generations are collected (cheap); when something is still busy, a full
+        code), and such a cycle may already sit in the oldest GC generation. When anything is
+        busy the young generations are collected (cheap); when something is still busy, a full
         collection runs too, at most once per ``FULL_GC_SPACING`` times its own last duration
         (so it costs at most ~1/FULL_GC_SPACING of the run, e.g. when the caller keeps every
         result). Without it such slabs stay busy until Python's own full collection, and the
@@ -644,7 +643,7 @@ class ExtractionEngine:
         self._reader.lend = bool(on)
 
     def set_driver_wait(self, mode: str) -> list[str]:
-        """``block`` (default) or ``spin`` (vLLM's): how the driver waits for replies
+        """``spin`` (default: vLLM's own) or ``block``: how the driver waits for replies
         (engine/driver_wait.py). Returns how each reply queue waits now."""
         self.driver_wait = set_driver_wait(self.executor, mode, self._wait_saved)
         return self.driver_wait

@@ -67,8 +67,8 @@ def reply_queues(executor) -> list:
 
 
 def set_driver_wait(executor, mode: str, saved: dict) -> list[str]:
-    """Make the driver's reply queues ``block`` or ``spin`` (vLLM's own). ``saved`` keeps what
-    was replaced, so a switch back restores it. Returns how each queue waits now; a queue this
+    """Make the driver's reply queues ``block`` or ``spin`` (vLLM's own). ``saved`` (one dict per
+    engine) keeps what was replaced, so a switch back restores it. Returns how each queue waits now; a queue this
     module does not recognise is left spinning, and that is logged (speed only, not results)."""
     if mode not in DRIVER_WAIT_CHOICES:
         raise ValueError(f"driver wait must be one of {DRIVER_WAIT_CHOICES}, not {mode!r}")
@@ -79,16 +79,15 @@ def set_driver_wait(executor, mode: str, saved: dict) -> list[str]:
         key = id(mq)
         cond = getattr(mq, "_spin_condition", None)
         if cond is not None and getattr(cond, "is_reader", False) and callable(getattr(cond, "wait", None)):  # 0.18+
-            saved.setdefault(key, ("wait", cond))
+            saved.setdefault(key, None)  # (the original is the class's method)
             if mode == "block":
                 cond.wait = _sleeping_wait
             else:
                 cond.__dict__.pop("wait", None)  # the class's own method again
             how.append(f"block (sleep {SLEEP_S * 1e6:.0f} us)" if mode == "block" else "spin")
         elif hasattr(mq, "_read_spin_timer"):  # 0.11-0.17
-            if key not in saved:
-                saved[key] = ("_read_spin_timer", mq, mq._read_spin_timer)
-            mq._read_spin_timer = _SleepingSpin() if mode == "block" else saved[key][2]
+            saved.setdefault(key, mq._read_spin_timer)
+            mq._read_spin_timer = _SleepingSpin() if mode == "block" else saved[key]
             how.append(f"{mode} (sleep {SLEEP_S * 1e6:.0f} us)" if mode == "block" else "spin")
         else:
             logger.warning("speculators_compat: driver wait %r not applied to %s (no _spin_condition or "

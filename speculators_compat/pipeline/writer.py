@@ -84,25 +84,29 @@ def _unowned_states(sample: dict[str, Any]) -> dict[str, Any]:
 
     torch.save in torch 2.8 and 2.9 (not 2.10 or 2.13: checked) builds a local pickler class per
     call whose closure holds every storage it saved; a class always sits in a reference cycle,
-    so those storages stay referenced until the cyclic GC frees that cycle, and
-    the cycle may already be in the oldest generation by then (seen: the engine's lent rows
-    stayed "busy" after the pipeline had dropped them). Saving aliases keeps the caller's
-    storages out of that cycle. Only a state whose storage is exactly its bytes is aliased, so
-    the file is byte-identical to saving the original; the caller holds ``sample`` for the whole
+    so those storages stay referenced until the cyclic GC frees that cycle, which may already be
+    in the oldest generation by then (seen: the engine's lent rows stayed "busy" after the
+    pipeline had dropped them). Saving aliases keeps the caller's storages out of that cycle.
+    Only a state whose storage is exactly its bytes is aliased, and one alias per storage, so the
+    file is byte-identical to saving the original; the caller holds ``sample`` for the whole
     save, so the memory stays valid while the alias is read, and nothing reads it afterwards."""
     import ctypes
 
     import torch
 
+    aliases: dict[tuple, Any] = {}  # a tensor listed twice stays one storage in the file
+
     def alias(h):
         if not isinstance(h, torch.Tensor) or h.device.type != "cpu" or not h.is_contiguous():
             return h
         nbytes = h.numel() * h.element_size()
-        st = h.untyped_storage()
-        if nbytes == 0 or h.storage_offset() != 0 or st.nbytes() != nbytes:
+        if nbytes == 0 or h.storage_offset() != 0 or h.untyped_storage().nbytes() != nbytes:
             return h
-        raw = (ctypes.c_ubyte * nbytes).from_address(h.data_ptr())
-        return torch.frombuffer(raw, dtype=torch.uint8).view(h.dtype).view(h.shape)
+        key = (h.data_ptr(), h.dtype, tuple(h.shape))
+        if key not in aliases:
+            raw = (ctypes.c_ubyte * nbytes).from_address(h.data_ptr())
+            aliases[key] = torch.frombuffer(raw, dtype=torch.uint8).view(h.dtype).view(h.shape)
+        return aliases[key]
 
     return {**sample, "hidden_states": [alias(h) for h in sample["hidden_states"]]}
 
