@@ -51,8 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--host-allocs", default="auto", help="GPU: e.g. 'malloc,pinned': where the driver's copies live")
     ap.add_argument("--copy-threads", default="1", help="GPU: e.g. '1,8': threads copying states out in the driver")
     ap.add_argument("--zero-copy", default="1", help="e.g. '1,0': lend arena rows (1) or copy them out (0)")
-    ap.add_argument("--driver-waits", default="block", help="e.g. 'block,spin': how the driver waits for its "
-                    "workers (SPECULATORS_COMPAT_DRIVER_WAIT)")
+    ap.add_argument("--driver-waits", default=None, help="e.g. 'block,spin': how the driver waits for its "
+                    "workers (default: SPECULATORS_COMPAT_DRIVER_WAIT, else spin)")
     ap.add_argument("--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)")
     ap.add_argument("--writer-modes", default="auto", help="e.g. 'thread,process': the pipeline's writer")
     ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
@@ -119,7 +119,9 @@ def main(argv=None) -> int:
     copy_modes = a.copy_modes.split(",") if cuda else ["cpu"]
     wts = [int(x) for x in a.writer_threads.split(",")] if a.writer_threads else [None]
     wms = a.writer_modes.split(",")
-    waits = a.driver_waits.split(",")
+    from speculators_compat.engine.driver_wait import driver_wait_from_env
+
+    waits = a.driver_waits.split(",") if a.driver_waits else [driver_wait_from_env()]
     if cuda:  # both engines alive; alternate call by call
         llm, raw = make_raw()
         gen, ours = make_ours()

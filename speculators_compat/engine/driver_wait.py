@@ -8,9 +8,10 @@ may get it only in slices while the GPU works. ``block`` makes only the driver's
 sleep ``SLEEP_S`` between checks instead of yielding, which frees the GIL; ``spin`` (default)
 leaves vLLM as it is. Workers are not touched.
 
-Measured (CPU, 2 cores, vLLM 0.32, tiny model, benchmarks/throughput.py --driver-waits): ``block``
-is slower there (generate() 115k vs 134k tok/s, pipeline 72k vs 76k): the sleeping driver's
-wake-ups compete with the worker's two compute threads. It exists for GPU hosts, where the
+Measured (CPU, 2 cores, vLLM 0.32, benchmarks/throughput.py): ``block`` is slower there. Tiny
+model, same run: generate() 115k vs 134k tok/s, pipeline 72k vs 76k. ~100M model:
+generate()/raw 0.79 with ``block`` against 1.03 with ``spin`` (separate runs): the sleeping
+driver's wake-ups preempt the worker's two compute threads. It exists for GPU hosts, where the
 engine leaves cores free and the GIL is the contended resource; not yet measured there, so it is
 opt-in.
 
