@@ -7,7 +7,8 @@ batch:
   raw       vLLM's own LLM.generate(max_tokens=1) per batch (prefill + one sampled token)
   generate  speculators_compat VllmHiddenStatesGenerator.generate() per batch (capture + hand-off)
   pipeline  the full extract pipeline over the same batches (--batch-size = --batch): generate +
-            torch.save of every sample to disk on the background writer, manifest at the end
+            torch.save of every sample to disk on the background writer, manifest at the end; timed
+            around run_extract (until session 6 the timed region also held deleting that output afterwards)
   hf        HF transformers forward with output_hidden_states, micro-batched
 Each is warmed up once, then the contenders run in turn, ``--reps`` rounds (alternating, so drift hits
 all); the table gives the median tokens/s and the spread (min-max), and the last line the ratios.
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--zero-copy", default="1", help="e.g. '1,0': lend arena rows (1) or copy them out (0)")
     ap.add_argument("--driver-waits", default=None, help="e.g. 'block,spin': how the driver waits for its "
                     "workers (default: SPECULATORS_COMPAT_DRIVER_WAIT, else spin)")
+    ap.add_argument("--switch-intervals", default="default", help="GPU: e.g. 'default,0.0005': the driver's "
+                    "sys.setswitchinterval (how long a thread that wants the GIL waits for a spinning one)")
     ap.add_argument("--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)")
     ap.add_argument("--writer-modes", default="auto", help="e.g. 'thread,process': the pipeline's writer")
     ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
@@ -105,12 +108,27 @@ def main(argv=None) -> int:
                 gen.generate(b)
         return gen, run
 
-    def pipeline_fn(gen, wt=None, wm="auto"):
-        def run():
+    breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
+
+    def pipeline_fn(gen, wt=None, wm="auto", name=None):
+        if wm == "process" or (wm == "auto" and cuda):  # a new pool size restarts the processes:
+            from speculators_compat.pipeline.writer import writer_pool  # start them outside the timing
+
+            writer_pool(wt).wait_ready()
+
+        def run():  # -> seconds in run_extract (not the clean-up: deleting GBs of output is no part of it)
             out = tempfile.mkdtemp(prefix="out-", dir=tmp)
-            run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False, writer_threads=wt,
-                        writer=wm)
+            t = time.perf_counter()
+            s = run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False, writer_threads=wt,
+                            writer=wm)
+            total = time.perf_counter() - t
             shutil.rmtree(out)
+            if name:
+                parts = {k: s[k] for k in ("generate_s", "read_s", "handoff_s", "writer_wait_s", "writer_tail_s")}
+                breakdown.setdefault(name, []).append(
+                    {"total_s": round(total, 3), **parts, "other_s": round(total - sum(parts.values()), 3),
+                     "writer": s["writer"]})
+            return total
         return run
 
     def rec(name, dt):
@@ -122,6 +140,8 @@ def main(argv=None) -> int:
     from speculators_compat.engine.driver_wait import driver_wait_from_env
 
     waits = a.driver_waits.split(",") if a.driver_waits else [driver_wait_from_env()]
+    default_switch = sys.getswitchinterval()
+    switches = [None if x == "default" else float(x) for x in a.switch_intervals.split(",")]
     if cuda:  # both engines alive; alternate call by call
         llm, raw = make_raw()
         gen, ours = make_ours()
@@ -131,16 +151,18 @@ def main(argv=None) -> int:
         allocs = a.host_allocs.split(",")
         threads = [int(x) for x in a.copy_threads.split(",")]
         zeros = [int(x) for x in a.zero_copy.split(",")]
-        variants = [(h, n, z, dw) for h in allocs for n in threads for z in zeros for dw in waits]
+        variants = [(h, n, z, dw, si) for h in allocs for n in threads for z in zeros for dw in waits for si in switches]
         for _ in range(a.reps):
             rec("raw", _timed(raw))
-            for h, n, z, dw in variants:
+            for h, n, z, dw, si in variants:
+                sys.setswitchinterval(si or default_switch)
                 gen.engine.set_host_alloc(h)
                 gen.engine.set_copy_threads(n)
                 gen.engine.set_zero_copy(bool(z))
                 gen.engine.set_driver_wait(dw)
                 tag = ((f"[{h}]" if len(allocs) > 1 else "") + (f"[t{n}]" if len(threads) > 1 else "")
-                       + (f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else ""))
+                       + (f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else "")
+                       + (f"[si{si or 'default'}]" if len(switches) > 1 else ""))
                 for m in copy_modes:
                     if m != gen.engine.opts.copy_mode:  # a switch rebuilds the worker's arena:
                         gen.engine.set_copy_mode(m)     # that first call is set-up, not throughput
@@ -148,8 +170,9 @@ def main(argv=None) -> int:
                     rec(f"generate[{m}]" + tag, _timed(ours))
                 for wt in wts:
                     for wm in wms:
-                        rec("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else ""),
-                            _timed(pipeline_fn(gen, wt, wm)))
+                        name = "pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
+                        rec(name, pipeline_fn(gen, wt, wm, name)())
+                sys.setswitchinterval(default_switch)
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
         del llm
@@ -175,8 +198,8 @@ def main(argv=None) -> int:
                     rec("generate[cpu]" + tag, _timed(ours))
                     for wt in wts:
                         for wm in wms:
-                            rec("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else ""),
-                                _timed(pipeline_fn(gen, wt, wm)))
+                            name = "pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
+                            rec(name, pipeline_fn(gen, wt, wm, name)())
             gen.close()
     if not a.no_hf:
         from transformers import AutoModelForCausalLM
@@ -224,7 +247,11 @@ def main(argv=None) -> int:
         ratios[f"{gen_key}/hf"] = rows[gen_key]["tok_s_median"] / rows["hf"]["tok_s_median"]
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"env": env, "rows": rows, "ratios": ratios, "raw_times_s": times}, f, indent=1)
+            json.dump({"env": env, "rows": rows, "ratios": ratios, "raw_times_s": times,
+                       "pipeline_breakdown_s": breakdown}, f, indent=1)
+    for k, v in breakdown.items():
+        med = {f: statistics.median(r[f] for r in v) for f in v[0] if f.endswith("_s")}
+        print(f"{k}: median s per run: " + ", ".join(f"{f} {x:.3f}" for f, x in med.items()))
     print("ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     return 0
 

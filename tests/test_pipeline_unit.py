@@ -263,7 +263,7 @@ def test_killed_writer_process_is_a_clear_error_not_a_hang(tmp_path):
     while bw.written < 2:
         assert time.time() < deadline and bw.error is None, f"first files not written: {bw.error}"
         time.sleep(0.02)
-    os.kill(bw.pool.procs[0].pid, signal.SIGKILL)
+    os.kill(bw.pool.procs[0].proc.pid, signal.SIGKILL)
     t = time.time()
     with pytest.raises(OutputError, match=r"writer process .* died"):
         for i in range(2, len(items)):
@@ -279,6 +279,38 @@ def test_killed_writer_process_is_a_clear_error_not_a_hang(tmp_path):
     bw2.put(items[2:4])
     bw2.close()
     assert bw2.in_processes == 2 and (tmp_path / "o2" / "data_3.pt").exists()
+    arena.close()
+
+
+def test_process_writer_needs_no_driver_thread(tmp_path):
+    """The engine's driver thread holds the GIL while it waits for the engine (vLLM spins), so
+    the process writer must not need any other driver thread to hand work over: put() writes
+    the task into the pipe itself. Here the caller holds the GIL in one C call (a long ``sum``)
+    right after put(); the files must appear meanwhile. With the multiprocessing.Queue used before
+    (its feeder thread pickles and sends) they did not: none of the 3, or 1 missing, in runs
+    on this machine."""
+    import time
+
+    from speculators_compat.pipeline import writer as w
+
+    arena, reader, items = _lent_samples(tmp_path)
+    warm = OutputDir(tmp_path / "warm")  # start the process (torch import) outside the timing
+    warm.prepare({"m": 1})
+    bw = w.ProcessWriter(warm, reader.describe, queue_size=1, processes=1)
+    bw.put(items[:1])
+    bw.close()
+    out = OutputDir(tmp_path / "o")
+    out.prepare({"m": 1})
+    bw = w.ProcessWriter(out, reader.describe, queue_size=1, processes=1)
+    names = [tmp_path / "o" / f"data_{i}.pt" for i, _ in items[1:4]]
+    bw.put(items[1:4])
+    t = time.perf_counter()
+    sum(range(150_000_000))  # ~1.5 s in one C call: no bytecode runs, so no other thread gets the GIL
+    held = time.perf_counter() - t
+    appeared = [p.exists() for p in names]
+    assert all(appeared), f"files written while the driver held the GIL for {held:.2f} s: {appeared}"
+    bw.close()
+    assert bw.written == 3
     arena.close()
 
 

@@ -22,13 +22,17 @@ class Sample:
     loss_mask: list[int] | None
 
 
+_INT = {int}
+_BITS = {0, 1}  # (True == 1 and False == 0 in a set too)
+
+
 def _validate(where: str, obj) -> tuple[list[int], list[int] | None]:
     if not isinstance(obj, dict):
         raise DatasetError(f"{where}: expected an object with input_ids, got {type(obj).__name__}")
     ids = obj.get("input_ids")
     if not isinstance(ids, list) or not ids:
         raise DatasetError(f"{where}: input_ids must be a non-empty list of token ids")
-    for t in ids:
+    for t in ([] if set(map(type, ids)) == _INT and min(ids) >= 0 else ids):  # (fast path: all good)
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise DatasetError(f"{where}: input_ids holds {t!r}, not a non-negative integer")
     mask = obj.get("loss_mask")
@@ -36,9 +40,14 @@ def _validate(where: str, obj) -> tuple[list[int], list[int] | None]:
         if not isinstance(mask, list) or len(mask) != len(ids):
             raise DatasetError(f"{where}: loss_mask must be a list as long as input_ids "
                                f"({len(ids)}), got {len(mask) if isinstance(mask, list) else type(mask).__name__}")
-        if any(m not in (0, 1, True, False) for m in mask):
+        try:
+            bits = set(mask) <= _BITS
+        except TypeError:  # an unhashable value (a list, a dict) in the mask
+            bits = False
+        if not bits:
             raise DatasetError(f"{where}: loss_mask must hold 0/1 values")
-        mask = [int(m) for m in mask]
+        if set(map(type, mask)) != _INT:  # floats 0.0/1.0 and booleans become ints
+            mask = [int(m) for m in mask]
     return ids, mask
 
 

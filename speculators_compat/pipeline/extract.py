@@ -55,6 +55,57 @@ def _batches(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
         yield batch
 
 
+class _Prefetch:
+    """Batches read one ahead on a thread, so parsing the input overlaps the engine's work (the
+    driver thread only waits for the GPU meanwhile). A reading error (a malformed line) is
+    raised by ``next()`` at the batch it belongs to, as without prefetching; ``close()`` stops
+    the thread when the run ends early."""
+
+    _END = object()
+
+    def __init__(self, it: Iterator, depth: int = 1):
+        import queue
+        import threading
+
+        self._it, self._q, self._stop = it, queue.Queue(maxsize=max(1, depth)), threading.Event()
+        self._t = threading.Thread(target=self._read, name="speculators-compat-read", daemon=True)
+        self._t.start()
+
+    def _read(self) -> None:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                item = next(self._it, self._END)
+            except BaseException as e:  # handed to the consumer, raised there
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            if item is self._END or isinstance(item, BaseException):
+                return
+
+    def next(self):
+        """The next batch, or None at the end."""
+        if self._stop.is_set():
+            return None
+        item = self._q.get()
+        if item is self._END:
+            self._stop.set()
+            return None
+        if isinstance(item, BaseException):
+            self._stop.set()
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
+
+
 def count_samples(path: str | Path) -> int | None:
     p = Path(path)
     if p.is_file():
@@ -73,6 +124,8 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
                 layer_id_convention: str = "upstream", writer: str = "auto", **gen_kwargs) -> dict[str, Any]:
     import torch
+
+    from ..generator import token_tensor
 
     model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
@@ -119,8 +172,15 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
         stats = {"samples_seen": 0, "skipped_done": 0, "computed": 0, "written_new": 0, "tokens": 0,
                  "truncated": [], "skipped_overlength": []}
         n_seen = 0
+        generate_s = put_s = read_s = 0.0
+        batches = _Prefetch(_batches(samples, batch_size))
         try:
-            for batch in _batches(samples, batch_size):
+            while True:
+                t_read = time.perf_counter()
+                batch = batches.next()
+                read_s += time.perf_counter() - t_read  # (waiting for it: reading overlaps the engine)
+                if batch is None:
+                    break
                 n_seen += len(batch)
                 todo = [s for s in batch if s.index not in done]
                 if not todo:
@@ -145,12 +205,14 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 if not keep:
                     bar.update(len(batch))
                     continue
+                t_gen = time.perf_counter()
                 results = generator.generate(ids)
+                generate_s += time.perf_counter() - t_gen
                 items = []
                 for s, r, m in zip(keep, results, masks):
                     if s.index in done:
                         continue
-                    lm = torch.as_tensor(m if m is not None else [1] * len(r["input_ids"]), dtype=torch.long)
+                    lm = token_tensor(m) if m is not None else torch.ones(len(r["input_ids"]), dtype=torch.long)
                     items.append((s.index, {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
                                             "loss_mask": lm}))
                     stats["tokens"] += len(r["input_ids"])
@@ -158,11 +220,14 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 stats["computed"] += len(keep)
                 stats["written_new"] += len(items)
                 stats["skipped_done"] += len(batch) - len(todo)
+                t_put = time.perf_counter()
                 writer.put(items)
+                put_s += time.perf_counter() - t_put
                 bar.update(len(batch))
                 bar.set_postfix_str(f"{stats['tokens'] / max(time.time() - t_compute, 1e-9):,.0f} tok/s", refresh=False)
             stats["samples_seen"] = n_seen
         finally:
+            batches.close()
             bar.close()
             try:
                 writer.close()
@@ -182,7 +247,12 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                    "engine_start_s": round(t_compute - t0, 2),
                    "tokens_per_s": round(stats["tokens"] / max(time.time() - t_compute, 1e-9), 1),
                    "truncated": len(stats["truncated"]), "skipped_overlength": len(stats["skipped_overlength"]),
-                   "writer": writer_mode}
+                   "writer": writer_mode,
+                   # where the time went (s): engine calls, reading input, handing batches to the
+                   # writer, waiting for it while batches were in flight, and for the last writes
+                   "generate_s": round(generate_s, 3), "read_s": round(read_s, 3),
+                   "handoff_s": round(put_s - writer.wait_s, 3), "writer_wait_s": round(writer.wait_s, 3),
+                   "writer_tail_s": round(writer.tail_s, 3)}
         if writer_mode == "process":
             summary["files_by_writer_processes"] = writer.in_processes
         with open(out.root / "runs.jsonl", "a") as f:  # timings live here, not in the manifest

@@ -247,6 +247,8 @@ class BackgroundWriter:
         self.out = out
         self.q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.error: BaseException | None = None
+        self.wait_s = 0.0  # time put() spent waiting for room in the queue
+        self.tail_s = 0.0  # time close() spent waiting for the last writes
         self._sums = _ChecksumLog(out)
         self._lock = threading.Lock()
         # Files of one batch are written in parallel (hashing and file writes release the GIL);
@@ -260,8 +262,12 @@ class BackgroundWriter:
 
     def put(self, items: list[tuple[int, dict]]) -> None:
         """Queue one batch's samples (blocks while the queue is full); re-raises a writer failure."""
+        import time
+
         self.check()
+        t = time.perf_counter()
         self.q.put(items)
+        self.wait_s += time.perf_counter() - t
 
     def check(self) -> None:
         if self.error is not None:
@@ -295,8 +301,12 @@ class BackgroundWriter:
             self._sums.add(index, digest, nbytes, int(sample["input_ids"].numel()))
 
     def close(self) -> None:
+        import time
+
+        t = time.perf_counter()
         self.q.put(None)
         self._t.join()
+        self.tail_s = time.perf_counter() - t
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._sums.close()
@@ -315,33 +325,87 @@ def default_writer_processes() -> int:
     return max(2, min(16, usable_cpus() // 2))
 
 
-def _writer_process_main(task_q, result_q) -> None:
+# ------------------------------------------------------------------ writer processes
+#
+# The driver talks to each writer process over two pipes of its own and no helper thread: the
+# driver's thread spins on vLLM's reply queue while the engine works, and any other thread of the
+# driver that needs the GIL (a multiprocessing.Queue feeder, a result collector) then waits for
+# the interpreter's forced switch (5 ms each time) behind it. Tasks are written by the caller
+# itself, without blocking (what does not fit in the pipe is kept and written at the next
+# chance); results are read by the caller when it queues the next batch (right before the next
+# engine call, which is when the engine needs to know which rows are free) or waits.
+
+_FRAME = 8  # bytes of the little-endian length that precedes each pickled task
+PIPE_BYTES = 1 << 20  # asked for each task pipe (Linux: F_SETPIPE_SZ, up to pipe-max-size)
+
+
+def _grow_pipe(fd: int) -> int:
+    """Make the pipe at ``fd`` hold PIPE_BYTES if the OS lets us; returns its size (0 if unknown)."""
+    import fcntl
+
+    setsz = getattr(fcntl, "F_SETPIPE_SZ", None)
+    getsz = getattr(fcntl, "F_GETPIPE_SZ", None)
+    if setsz is None:
+        return 0
+    for size in (PIPE_BYTES, 1 << 18, 1 << 16):
+        try:
+            fcntl.fcntl(fd, setsz, size)
+            break
+        except OSError:  # above /proc/sys/fs/pipe-max-size: try smaller
+            continue
+    return fcntl.fcntl(fd, getsz) if getsz is not None else 0
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    """``n`` bytes from ``fd`` (blocking), or None at end of file (the driver closed its end)."""
+    parts, got = [], 0
+    while got < n:
+        b = os.read(fd, min(n - got, 1 << 20))
+        if not b:
+            return None
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def _writer_process_main(task_conn, result_conn) -> None:
     """A writer process: maps the engine's arena files and writes each sample it is sent.
 
     A task names where each layer's rows lie ((file, byte offset, rows) in /dev/shm); the rows
     are read in place, so they cross no pipe. The driver keeps them lent (the engine does not
-    reuse that memory) until this process reports the file written.
+    reuse that memory) until this process reports the file written. It exits when the driver
+    sends None or closes its end of the task pipe (it died).
     """
     import gc
     import mmap
-    import queue as _q
+    import pickle
 
     import numpy as np
+    import select
+
     import torch
 
     torch.set_num_threads(1)
     parent = os.getppid()
+    fd = task_conn.fileno()
     maps: dict[str, mmap.mmap] = {}
-    result_q.put(("ready", os.getpid()))
     while True:
-        try:
-            task = task_q.get(timeout=2)
-        except _q.Empty:
-            if os.getppid() != parent:  # the driver died (SIGKILL): nothing left to write for
+        if not select.select([fd], [], [], 2)[0]:
+            # (a process forked from the driver, e.g. an engine worker, may hold the pipe's
+            # other end too, so end-of-file alone does not prove the driver is gone)
+            if os.getppid() != parent:
                 return
             continue
+        head = _read_exact(fd, _FRAME)
+        body = _read_exact(fd, int.from_bytes(head, "little")) if head is not None else None
+        if body is None:
+            return
+        task = pickle.loads(body)
         if task is None:
             return
+        if task == "ping":  # _WriterPool.wait_ready: torch is imported, tasks are read
+            result_conn.send(("pong", []))
+            continue
         root, fmt, entries = task
         done = []
         for index, input_ids, loss_mask, blocks, hidden, dtype_name in entries:
@@ -361,20 +425,57 @@ def _writer_process_main(task_q, result_q) -> None:
                 digest, nbytes = write_sample(Path(root) / file_name(index, fmt), sample, fmt)
                 done.append((index, digest, nbytes, int(input_ids.size)))
             except BaseException as e:  # reported to the driver, which stops the run
-                result_q.put(("ok", done))
-                done = []
-                result_q.put(("error", index, f"{type(e).__name__}: {e}"))
+                result_conn.send(("error", done, index, f"{type(e).__name__}: {e}"))
+                done = None
                 break
             finally:
                 layers = sample = buf = None
-        if done:
-            result_q.put(("ok", done))  # one message a chunk: the driver's threads wake up rarely
+        if done is not None:
+            result_conn.send(("ok", done))  # one message a task
         gc.collect(1)  # cycles made while writing (write_sample keeps the mapped rows out of torch.save's)
         for p in [p for p in maps if not os.path.exists(p)]:  # the engine released that arena file
             try:
                 maps.pop(p).close()
             except BufferError:  # still referenced (cannot happen once the sample is dropped)
                 pass
+
+
+class _WriterProc:
+    """One writer process and the driver's ends of its two pipes."""
+
+    def __init__(self, ctx, i: int):
+        task_r, self.task_w = ctx.Pipe(duplex=False)
+        self.results, result_w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_writer_process_main, name=f"speculators-compat-write-{i}",
+                                args=(task_r, result_w), daemon=True)
+        self.proc.start()
+        task_r.close()  # the child's ends: when the driver dies, the child reads end-of-file
+        result_w.close()
+        self.fd = self.task_w.fileno()
+        self.pipe_bytes = _grow_pipe(self.fd)
+        os.set_blocking(self.fd, False)
+        self.outbox = bytearray()  # framed tasks not yet in the pipe
+        self.load = 0  # bytes of states sent and not yet reported written
+
+    def send(self, obj) -> None:
+        import pickle
+
+        body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.outbox += len(body).to_bytes(_FRAME, "little") + body
+        self.flush()
+
+    def flush(self) -> bool:
+        """Write what the pipe takes now; True when nothing is left to write."""
+        while self.outbox:
+            try:
+                n = os.write(self.fd, self.outbox)
+            except BlockingIOError:
+                return False
+            except BrokenPipeError:  # the process died: reported by the caller's liveness check
+                self.outbox.clear()
+                return True
+            del self.outbox[:n]
+        return True
 
 
 class _WriterPool:
@@ -387,29 +488,64 @@ class _WriterPool:
 
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
         self.n = n
-        self.tasks = ctx.Queue()
-        self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_writer_process_main, name=f"speculators-compat-write-{i}",
-                                  args=(self.tasks, self.results), daemon=True) for i in range(n)]
-        for p in self.procs:
-            p.start()
+        self.procs = [_WriterProc(ctx, i) for i in range(n)]
         self.lock = threading.Lock()  # one ProcessWriter at a time
 
     def dead(self):
-        return [p for p in self.procs if not p.is_alive()]
+        return [w.proc for w in self.procs if not w.proc.is_alive()]
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        """Block until every process has started and answers (a process spends ~1-3 s importing
+        torch first). Only between runs: it takes the pool's lock."""
+        import time
+        from multiprocessing.connection import wait
+
+        if not self.lock.acquire(timeout=timeout):
+            raise OutputError("writer processes are busy with a run")
+        try:
+            for w in self.procs:
+                w.send("ping")
+            deadline = time.monotonic() + timeout
+            waiting = {w.results: w for w in self.procs}
+            while waiting:
+                for w in self.procs:
+                    w.flush()
+                ready = wait(list(waiting), max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    names = ", ".join(w.proc.name for w in waiting.values())
+                    raise OutputError(f"writer processes did not start within {timeout} s: {names}")
+                for conn in ready:
+                    w = waiting.pop(conn)
+                    try:
+                        msg = conn.recv()
+                    except (EOFError, OSError):
+                        raise WriterProcessDied(f"writer process {w.proc.name} died at start-up "
+                                                f"(exit code {w.proc.exitcode})") from None
+                    if msg[0] != "pong":
+                        raise OutputError(f"writer process {w.proc.name} answered {msg[0]!r} to a ping")
+        finally:
+            self.lock.release()
 
     def close(self, graceful: bool = True) -> None:
+        import time
+
         if graceful:
-            for _ in self.procs:
-                self.tasks.put(None)
-        for p in self.procs:
+            deadline = time.monotonic() + 10
+            for w in self.procs:
+                try:
+                    w.send(None)
+                    while not w.flush() and time.monotonic() < deadline and w.proc.is_alive():
+                        time.sleep(0.005)
+                except OSError:
+                    pass
+        for w in self.procs:
             if graceful:
-                p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        self.tasks.close()
-        self.results.close()
+                w.proc.join(timeout=10)
+            if w.proc.is_alive():
+                w.proc.terminate()
+                w.proc.join(timeout=5)
+            w.task_w.close()
+            w.results.close()
 
 
 _POOL: _WriterPool | None = None
@@ -450,10 +586,13 @@ class ProcessWriter:
     writer *threads* then wait on the GIL: on an H200 host the thread writer managed ~2.7 GiB/s
     in the pipeline against 6.2 GiB/s alone. Samples whose rows are lent arena blocks (the
     engine's zero-copy hand-off) travel as (file, offset, rows); the rest (rows split over
-    several engine steps) are written on a local thread. The driver holds every sample until its
-    file is written, so the engine cannot reuse those rows meanwhile, and at most
-    ``queue_size + 1`` batches are in flight (bounded memory, as BackgroundWriter).
-    Same files, same bytes, same checksums.jsonl as BackgroundWriter.
+    several engine steps) are written on a local thread. Each batch is split over the processes
+    by bytes still to write (least loaded first). The driver holds every sample until its file
+    is written, so the engine cannot reuse those rows meanwhile, and at most ``queue_size + 1``
+    batches are in flight (bounded memory, as BackgroundWriter). No driver thread is involved
+    in talking to the processes (see the comment above ``_FRAME``): results are taken in
+    ``put()``, ``written`` and ``close()``. Same files, same bytes, same
+    checksums.jsonl as BackgroundWriter.
     """
 
     def __init__(self, out: OutputDir, describe, queue_size: int = 2, processes: int | None = None):
@@ -466,15 +605,15 @@ class ProcessWriter:
         self.error: BaseException | None = None
         self.in_processes = 0  # samples sent as (file, offset, rows) to a writer process
         self.on_threads = 0  # samples written on the local thread (rows not lent)
+        self.wait_s = 0.0  # time put() spent waiting for a batch in flight to be written
+        self.tail_s = 0.0  # time close() spent waiting for the last writes
         self._sums = _ChecksumLog(out)
-        self._cv = threading.Condition()
+        self._cv = threading.Condition()  # the local threads report through it too
         self._pending: dict[int, tuple[int, dict]] = {}  # index -> (batch, sample), until written
+        self._sizes: dict[int, tuple[_WriterProc, int]] = {}  # index -> (process, bytes), until written
         self._batches: dict[int, int] = {}  # batch -> samples not yet written
         self._nbatch = 0
-        self._closing = False
         self._local = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculators-compat-write")
-        self._collector = threading.Thread(target=self._collect, name="speculators-compat-collect", daemon=True)
-        self._collector.start()
 
     # -------------------------------------------------------------- producer side
     def check(self) -> None:
@@ -483,36 +622,47 @@ class ProcessWriter:
 
     def put(self, items: list[tuple[int, dict]]) -> None:
         """Queue one batch's samples (blocks while ``queue_size + 1`` batches are in flight)."""
+        import time
+
         import numpy as np
 
+        self._poll(0)
+        t = time.perf_counter()
+        waited = False
+        while self.error is None and len(self._batches) >= self.limit:
+            waited = True
+            self._poll(0.5)
+        if waited:
+            self.wait_s += time.perf_counter() - t
+        self.check()
+        if not items:
+            return
         with self._cv:
-            while self.error is None and len(self._batches) >= self.limit:
-                self._cv.wait(0.5)
-            self.check()
-            if not items:
-                return
             batch = self._nbatch
             self._nbatch += 1
             self._batches[batch] = len(items)
             for index, sample in items:
                 self._pending[index] = (batch, sample)
-        entries = []
+        tasks: dict[int, list] = {}
+        procs = self.pool.procs
         for index, sample in items:
             blocks = [self.describe(h) for h in sample["hidden_states"]]
             if all(b is not None for b in blocks):
                 h0 = sample["hidden_states"][0]
-                entries.append((index, np.ascontiguousarray(sample["input_ids"].numpy()),
-                                np.ascontiguousarray(sample["loss_mask"].numpy()), blocks,
-                                int(h0.shape[-1]), str(h0.dtype).replace("torch.", "")))
+                size = sum(h.numel() * h.element_size() for h in sample["hidden_states"])
+                k = min(range(len(procs)), key=lambda i: procs[i].load)  # least bytes still to write
+                procs[k].load += size
+                self._sizes[index] = (procs[k], size)
+                tasks.setdefault(k, []).append(
+                    (index, np.ascontiguousarray(sample["input_ids"].numpy()),
+                     np.ascontiguousarray(sample["loss_mask"].numpy()), blocks,
+                     int(h0.shape[-1]), str(h0.dtype).replace("torch.", "")))
             else:
                 self._local.submit(self._write_local, index, sample)
                 self.on_threads += 1
-        # one task per process and batch (not per sample): every message costs the driver's
-        # feeder and collector threads a turn at the GIL, which the engine loop's spin-wait holds
-        per = -(-len(entries) // len(self.pool.procs)) if entries else 1
-        for k in range(0, len(entries), per):
-            self.pool.tasks.put((str(self.out.root), self.out.fmt, entries[k:k + per]))
-        self.in_processes += len(entries)
+        for k, entries in tasks.items():  # one message per process and batch
+            procs[k].send((str(self.out.root), self.out.fmt, entries))
+            self.in_processes += len(entries)
 
     def _write_local(self, index: int, sample: dict) -> None:
         try:
@@ -524,6 +674,7 @@ class ProcessWriter:
     # -------------------------------------------------------------- results
     @property
     def written(self) -> int:
+        self._poll(0)
         return self._sums.written
 
     def _done(self, index: int, digest: str, nbytes: int, tokens: int) -> None:
@@ -532,6 +683,9 @@ class ProcessWriter:
                 raise OutputError(f"writer process reported sample {index}, which this run did not send")
             self._sums.add(index, digest, nbytes, tokens)
             batch, _ = self._pending.pop(index)  # drops the sample: its rows may be reused
+            proc, size = self._sizes.pop(index, (None, 0))
+            if proc is not None:
+                proc.load -= size
             self._batches[batch] -= 1
             if not self._batches[batch]:
                 del self._batches[batch]
@@ -543,45 +697,63 @@ class ProcessWriter:
                 self.error = e
             self._cv.notify_all()
 
-    def _collect(self) -> None:
-        import queue as _q
+    def _poll(self, timeout: float) -> None:
+        """Write what waits in the outboxes, take every result that has arrived (waiting up to
+        ``timeout`` s for one), and turn a dead process into the run's error."""
+        from multiprocessing.connection import wait
 
-        while True:
-            with self._cv:
-                if self.error is not None or (self._closing and not self._pending):
-                    return
+        procs = self.pool.procs
+        unsent = [w for w in procs if not w.flush()]
+        if unsent and timeout:
+            timeout = min(timeout, 0.005)  # come back soon to feed the pipe
+        try:
+            ready = wait([w.results for w in procs], timeout)
+        except (OSError, ValueError) as e:  # the pool was torn down under us
+            self._fail(e)
+            return
+        for conn in ready:
+            w = next(w for w in procs if w.results is conn)
             try:
-                msg = self.pool.results.get(timeout=0.5)
-            except _q.Empty:
-                dead = self.pool.dead()
-                if dead:
-                    self._fail(WriterProcessDied(
-                        f"writer process {dead[0].name} (pid {dead[0].pid}) died with exit code "
-                        f"{dead[0].exitcode}; files already written are complete, rerun to resume"))
+                msg = conn.recv()
+            except (EOFError, OSError):
+                self._fail(WriterProcessDied(
+                    f"writer process {w.proc.name} (pid {w.proc.pid}) died with exit code "
+                    f"{w.proc.exitcode if not w.proc.is_alive() else 'unknown (pipe closed)'}; files already "
+                    f"written are complete, rerun to resume"))
                 continue
             try:
-                if msg[0] == "ok":
-                    for rec in msg[1]:
-                        self._done(*rec)
-                elif msg[0] == "error":
-                    self._fail(OutputError(f"writing sample {msg[1]} failed: {msg[2]}"))
-            except BaseException as e:  # never leave close() waiting on a dead collector
+                for rec in msg[1]:
+                    self._done(*rec)
+                if msg[0] == "error":
+                    self._fail(OutputError(f"writing sample {msg[2]} failed: {msg[3]}"))
+            except BaseException as e:
                 self._fail(e)
+        if not ready and timeout:
+            dead = self.pool.dead()
+            if dead:
+                self._fail(WriterProcessDied(
+                    f"writer process {dead[0].name} (pid {dead[0].pid}) died with exit code "
+                    f"{dead[0].exitcode}; files already written are complete, rerun to resume"))
 
     def close(self) -> None:
         """Wait for every queued sample (or the first failure), release the pool, re-raise."""
+        import time
+
         try:
-            with self._cv:
-                self._closing = True
-                while self.error is None and self._pending:
-                    self._cv.wait(0.5)
-            self._collector.join()
+            t = time.perf_counter()
+            while self.error is None and self._pending:
+                if any(w.outbox for w in self.pool.procs) or len(self._pending) > len(self._sizes):
+                    self._poll(0.005)  # bytes to feed, or local threads still writing
+                else:
+                    self._poll(0.5)
+            self.tail_s = time.perf_counter() - t
             self._local.shutdown(wait=True)
             self._sums.close()
             if self.error is not None:  # tasks of this run may still be queued: start afresh next time
                 shutdown_writer_pool(graceful=False)
             with self._cv:
                 self._pending.clear()
+                self._sizes.clear()
         finally:
             self.pool.lock.release()
         self.check()
