@@ -179,7 +179,7 @@ def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch,
     assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], sample["hidden_states"]))
 
 
-def _lent_samples(tmp_path, n=6, rows=(3, 9, 1, 17, 5, 2), hidden=64):
+def _lent_samples(tmp_path, n=6, rows=(3, 9, 1, 17, 5, 2), hidden=64, arena_bytes=1 << 20):
     """Samples whose hidden states are lent arena rows (a /dev/shm-like file and the engine's own
     reader), as the zero-copy hand-off returns them."""
     torch = pytest.importorskip("torch")
@@ -187,7 +187,7 @@ def _lent_samples(tmp_path, n=6, rows=(3, 9, 1, 17, 5, 2), hidden=64):
     from speculators_compat.engine import worker as wk
 
     arena = wk._Arena(str(tmp_path / "arena-"), pin=False)
-    arena.prepare(1 << 20)
+    arena.prepare(arena_bytes)
     reader = core._ArenaReader("malloc", threads=1, lend=True)
     g = torch.Generator().manual_seed(11)
     items = []
@@ -314,6 +314,42 @@ def test_process_writer_needs_no_driver_thread(tmp_path):
     arena.close()
 
 
+def test_process_writer_feeds_tasks_larger_than_the_pipe(tmp_path, monkeypatch):
+    """A batch's tasks may not fit in a pipe (64 KiB when it cannot be grown): put() keeps the rest
+    and writes it at the next chance instead of blocking the engine's thread; every file arrives
+    and matches the thread writer's."""
+    from speculators_compat.pipeline import writer as w
+
+    monkeypatch.setattr(w, "_grow_pipe", lambda fd: 0)  # keep the OS default pipe size
+    full = []
+    flush = w._WriterProc.flush
+
+    def counting_flush(self):
+        done = flush(self)
+        full.append(not done)
+        return done
+
+    monkeypatch.setattr(w._WriterProc, "flush", counting_flush)
+    w.shutdown_writer_pool()  # (a pool started earlier has grown pipes)
+    arena, reader, items = _lent_samples(tmp_path, n=12, rows=(4096, 3000), hidden=8, arena_bytes=1 << 22)
+    task_bytes = sum(s["input_ids"].numel() * 16 for _, s in items)  # ids + loss mask, int64
+    assert task_bytes > 4 * 65536
+    dirs = {}
+    for kind in ("thread", "process"):
+        out = OutputDir(tmp_path / kind)
+        out.prepare({"m": 1})
+        bw = (w.ProcessWriter(out, reader.describe, queue_size=1, processes=1) if kind == "process"
+              else w.BackgroundWriter(out, queue_size=1, threads=1))
+        bw.put(items[:6])
+        bw.put(items[6:])
+        bw.close()
+        dirs[kind] = {p.name: p.read_bytes() for p in (tmp_path / kind).glob("data_*")}
+    assert any(full), "the tasks never filled the pipe: the test did not exercise the outbox"
+    assert len(dirs["process"]) == len(items) and dirs["process"] == dirs["thread"]
+    w.shutdown_writer_pool()
+    arena.close()
+
+
 def test_process_writer_failure_names_the_sample(tmp_path):
     torch = pytest.importorskip("torch")
     from speculators_compat.pipeline import writer as w
@@ -356,3 +392,19 @@ def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows):
     finally:
         gc.enable()
     assert (tmp_path / "data_0.pt").read_bytes() == ref.getvalue()
+
+
+def test_default_writer_processes_leave_the_engine_its_cores(mocker):
+    """GPU hosts: one CPU for the driver and one per engine worker stay free, the rest write
+    (2..16); CPU hosts: half. The GPU branch needs a CUDA device, so the device count is mocked
+    here (the seam a CPU machine cannot reach); the CPU count is mocked to make cases."""
+    from speculators_compat.engine import core
+    from speculators_compat import generator
+    from speculators_compat.pipeline.writer import default_writer_processes
+
+    cases = {(16, 1, True): 14, (16, 8, True): 7, (192, 8, True): 16, (4, 2, True): 2,
+             (2, None, False): 2, (16, None, False): 8, (64, 8, False): 16}
+    for (cpus, tp, gpu), want in cases.items():
+        mocker.patch.object(core, "usable_cpus", return_value=cpus)
+        mocker.patch.object(generator, "cuda_device_count", return_value=1 if gpu else 0)
+        assert default_writer_processes(tp) == want, (cpus, tp, gpu)

@@ -142,10 +142,14 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
     if max_samples is not None:
         samples = islice(samples, max_samples)
 
+    tp = gen_kwargs.get("tensor_parallel_size") or 1
+    if generator is not None:
+        tp = getattr(getattr(getattr(generator, "vllm_config", None), "parallel_config", None),
+                     "tensor_parallel_size", None) or tp
     if writer == "process" or (writer == "auto" and generator is None and _gpu_host()):
         from .writer import writer_pool
 
-        writer_pool(writer_threads)  # start the writer processes now: they import torch meanwhile
+        writer_pool(writer_threads, tp)  # start the writer processes now: they import torch meanwhile
     own_generator = generator is None
     if generator is None:
         from ..generator import VllmHiddenStatesGenerator
@@ -165,7 +169,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
         writer_mode = choose_writer(writer, generator)
         if writer_mode == "process":
             describe = getattr(generator.engine, "describe", None) or (lambda t: None)
-            writer = ProcessWriter(out, describe, queue_size, writer_threads)
+            writer = ProcessWriter(out, describe, queue_size, writer_threads, gpu_workers=tp)
         else:
             writer = BackgroundWriter(out, queue_size, writer_threads)
         bar = _progress(total, progress, initial=0)

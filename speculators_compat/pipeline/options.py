@@ -53,7 +53,8 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
                    help="write files on threads or in processes (auto: processes on a GPU host)")
     p.add_argument("--writer-threads", type=_positive_int, default=None,
                    help="files written in parallel: threads (default half the CPUs, 2..8) or "
-                        "processes (default half the CPUs, 2..16)")
+                        "processes (default on a GPU host: CPUs - 1 - tensor-parallel size, 2..16; "
+                        "elsewhere half the CPUs, 2..16)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
     p.add_argument("--no-progress", action="store_true")
 
