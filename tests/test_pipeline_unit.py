@@ -203,31 +203,38 @@ def _lent_samples(tmp_path, n=6, rows=(3, 9, 1, 17, 5, 2), hidden=64, arena_byte
     return arena, reader, items
 
 
-@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
-def test_process_writer_writes_the_bytes_the_thread_writer_writes(tmp_path, fmt):
+def _write_with_both(tmp_path, items, reader, fmt="pt", split=3, workers=2):
+    """Write ``items`` (two batches, split at ``split``) with the thread writer and with the process
+    writer; returns, per writer, its data files' bytes, its sorted checksums and the writer."""
     import json
 
     from speculators_compat.pipeline import writer as w
 
-    arena, reader, items = _lent_samples(tmp_path)
-    assert all(reader.describe(h) is not None for _, s in items for h in s["hidden_states"])
-    dirs = {}
+    got = {}
     for kind in ("thread", "process"):
         out = OutputDir(tmp_path / kind, fmt)
         out.prepare({"m": 1})
-        bw = (w.ProcessWriter(out, reader.describe, queue_size=1, processes=2) if kind == "process"
-              else w.BackgroundWriter(out, queue_size=1, threads=2))
-        bw.put(items[:3])
-        bw.put(items[3:])
+        bw = (w.ProcessWriter(out, reader.describe, queue_size=1, processes=workers) if kind == "process"
+              else w.BackgroundWriter(out, queue_size=1, threads=workers))
+        bw.put(items[:split])
+        bw.put(items[split:])
         bw.close()
-        if kind == "process":
-            assert bw.in_processes == len(items) and bw.on_threads == 0
-        dirs[kind] = {p.name: p.read_bytes() for p in (tmp_path / kind).glob("data_*")}
+        files = {p.name: p.read_bytes() for p in (tmp_path / kind).glob("data_*")}
         sums = sorted(json.loads(x)["sha256"] for x in (tmp_path / kind / "checksums.jsonl").read_text().splitlines())
-        dirs[kind + "-sums"] = sums
-    assert len(dirs["thread"]) == len(items)
-    assert dirs["process"] == dirs["thread"] and dirs["process-sums"] == dirs["thread-sums"]
-    del items
+        got[kind] = (files, sums, bw)
+    return got
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_process_writer_writes_the_bytes_the_thread_writer_writes(tmp_path, fmt):
+    arena, reader, items = _lent_samples(tmp_path)
+    assert all(reader.describe(h) is not None for _, s in items for h in s["hidden_states"])
+    got = _write_with_both(tmp_path, items, reader, fmt)
+    bw = got["process"][2]
+    assert bw.in_processes == len(items) and bw.on_threads == 0
+    assert len(got["thread"][0]) == len(items)
+    assert got["process"][:2] == got["thread"][:2]
+    del items, got, bw
     import gc
 
     gc.collect()
@@ -334,18 +341,9 @@ def test_process_writer_feeds_tasks_larger_than_the_pipe(tmp_path, monkeypatch):
     arena, reader, items = _lent_samples(tmp_path, n=12, rows=(4096, 3000), hidden=8, arena_bytes=1 << 22)
     task_bytes = sum(s["input_ids"].numel() * 16 for _, s in items)  # ids + loss mask, int64
     assert task_bytes > 4 * 65536
-    dirs = {}
-    for kind in ("thread", "process"):
-        out = OutputDir(tmp_path / kind)
-        out.prepare({"m": 1})
-        bw = (w.ProcessWriter(out, reader.describe, queue_size=1, processes=1) if kind == "process"
-              else w.BackgroundWriter(out, queue_size=1, threads=1))
-        bw.put(items[:6])
-        bw.put(items[6:])
-        bw.close()
-        dirs[kind] = {p.name: p.read_bytes() for p in (tmp_path / kind).glob("data_*")}
+    got = _write_with_both(tmp_path, items, reader, split=6, workers=1)
     assert any(full), "the tasks never filled the pipe: the test did not exercise the outbox"
-    assert len(dirs["process"]) == len(items) and dirs["process"] == dirs["thread"]
+    assert len(got["process"][0]) == len(items) and got["process"][:2] == got["thread"][:2]
     w.shutdown_writer_pool()
     arena.close()
 
