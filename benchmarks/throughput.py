@@ -134,6 +134,13 @@ def main(argv=None) -> int:
     def rec(name, dt):
         times.setdefault(name, []).append(dt)
 
+    slabs_made: dict[str, list[int]] = {}  # arena slabs the worker had to make during each timed run
+
+    def rec_slabs(gen, name, fn):
+        before = gen.engine.stats().get("arena_slabs_made", 0)
+        rec(name, fn())
+        slabs_made.setdefault(name, []).append(gen.engine.stats().get("arena_slabs_made", 0) - before)
+
     copy_modes = a.copy_modes.split(",") if cuda else ["cpu"]
     wts = [int(x) for x in a.writer_threads.split(",")] if a.writer_threads else [None]
     wms = a.writer_modes.split(",")
@@ -167,11 +174,11 @@ def main(argv=None) -> int:
                     if m != gen.engine.opts.copy_mode:  # a switch rebuilds the worker's arena:
                         gen.engine.set_copy_mode(m)     # that first call is set-up, not throughput
                         ours()
-                    rec(f"generate[{m}]" + tag, _timed(ours))
+                    rec_slabs(gen, f"generate[{m}]" + tag, lambda: _timed(ours))
                 for wt in wts:
                     for wm in wms:
                         name = "pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
-                        rec(name, pipeline_fn(gen, wt, wm, name)())
+                        rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name))
                 sys.setswitchinterval(default_switch)
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
@@ -195,11 +202,11 @@ def main(argv=None) -> int:
                     gen.engine.set_zero_copy(bool(z))
                     gen.engine.set_driver_wait(dw)
                     tag = (f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else "")
-                    rec("generate[cpu]" + tag, _timed(ours))
+                    rec_slabs(gen, "generate[cpu]" + tag, lambda: _timed(ours))
                     for wt in wts:
                         for wm in wms:
                             name = "pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
-                            rec(name, pipeline_fn(gen, wt, wm, name)())
+                            rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name))
             gen.close()
     if not a.no_hf:
         from transformers import AutoModelForCausalLM
@@ -248,10 +255,11 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"env": env, "rows": rows, "ratios": ratios, "raw_times_s": times,
-                       "pipeline_breakdown_s": breakdown}, f, indent=1)
+                       "pipeline_breakdown_s": breakdown, "arena_slabs_made": slabs_made}, f, indent=1)
     for k, v in breakdown.items():
         med = {f: statistics.median(r[f] for r in v) for f in v[0] if f.endswith("_s")}
         print(f"{k}: median s per run: " + ", ".join(f"{f} {x:.3f}" for f, x in med.items()))
+    print("arena slabs made per timed run:", json.dumps(slabs_made))
     print("ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     return 0
 

@@ -554,7 +554,8 @@ class CaptureExtension:
         return {"steps": st.steps, "tokens": st.tokens, "pending_requests": len(st.segments),
                 "copy_mode": st.copy_mode, "hook_s": round(st.t_hooks, 3),
                 "take_s": round(st.t_take, 3), "arena_bytes": st.arena.total_bytes if st.arena else 0,
-                "arena_slabs": len(st.arena.slabs) if st.arena else 0}
+                "arena_slabs": len(st.arena.slabs) if st.arena else 0,
+                "arena_slabs_made": st.arena._n if st.arena else 0}  # (each one allocated, page-locked on a GPU)
 
 
 def _make_layer_hook(st: _CaptureState, lid: int, distribute):

@@ -120,10 +120,14 @@ def test_lent_results_are_never_overwritten_and_memory_stays_flat(llama_path, hf
             for h, w in zip(r["hidden_states"], want):
                 assert torch.equal(h, w), "a later batch was written over rows the caller holds"
         assert g.engine.stats()["arena_slabs"] == 2
+        check(g, llama_path, models.random_prompts(lengths, seed=509), hf_ref)
+        made = g.engine.stats()["arena_slabs_made"]
         for k in range(6):  # results dropped at once: slabs are reused
             check(g, llama_path, models.random_prompts(lengths, seed=510 + k), hf_ref)
         gc.collect()
-        assert g.engine.stats()["arena_slabs"] <= 2 + 1 + 2  # a and b held, one filled, two spare
+        st = g.engine.stats()
+        assert st["arena_slabs"] <= 2 + 1 + 2  # a and b held, one filled, two spare
+        assert st["arena_slabs_made"] == made, "a free slab was there: no new one should be made"
         del b
         gc.collect()
         for k in range(3):
