@@ -58,6 +58,10 @@ def main(argv=None) -> int:
                     "sys.setswitchinterval (how long a thread that wants the GIL waits for a spinning one)")
     ap.add_argument("--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)")
     ap.add_argument("--writer-modes", default="auto", help="e.g. 'thread,process': the pipeline's writer")
+    ap.add_argument("--read-ahead", default="1", help="e.g. '1,0': the pipeline reads its input a batch ahead "
+                    "on a thread (1, its default) or in line (0)")
+    ap.add_argument("--writer-nice", default=None, help="e.g. '0,idle': the writer processes' priority "
+                    "(SPECULATORS_COMPAT_WRITER_NICE: a niceness increment or idle)")
     ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
                     "to take the disk out of the measurement)")
     ap.add_argument("--no-hf", action="store_true")
@@ -110,7 +114,9 @@ def main(argv=None) -> int:
 
     breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
 
-    def pipeline_fn(gen, wt=None, wm="auto", name=None):
+    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None):
+        if nice is not None:  # read when the writer processes start (a change restarts them)
+            os.environ["SPECULATORS_COMPAT_WRITER_NICE"] = nice
         if wm == "process" or (wm == "auto" and cuda):  # a new pool size restarts the processes:
             from speculators_compat.pipeline.writer import writer_pool  # start them outside the timing
 
@@ -120,7 +126,7 @@ def main(argv=None) -> int:
             out = tempfile.mkdtemp(prefix="out-", dir=tmp)
             t = time.perf_counter()
             s = run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False, writer_threads=wt,
-                            writer=wm)
+                            writer=wm, read_ahead=ra)
             total = time.perf_counter() - t
             shutil.rmtree(out)
             if name:
@@ -135,15 +141,21 @@ def main(argv=None) -> int:
         times.setdefault(name, []).append(dt)
 
     slabs_made: dict[str, list[int]] = {}  # arena slabs the worker had to make during each timed run
+    engine_s: dict[str, list[dict]] = {}  # per timed run: where the engine's time went (s)
+    ENGINE_KEYS = ("prep_s", "busy_s", "expect_s", "drive_s", "handoff_s", "hook_s", "take_s")
 
     def rec_slabs(gen, name, fn):
-        before = gen.engine.stats().get("arena_slabs_made", 0)
+        before = gen.engine.stats()
         rec(name, fn())
-        slabs_made.setdefault(name, []).append(gen.engine.stats().get("arena_slabs_made", 0) - before)
+        after = gen.engine.stats()
+        slabs_made.setdefault(name, []).append(after.get("arena_slabs_made", 0) - before.get("arena_slabs_made", 0))
+        engine_s.setdefault(name, []).append({k: round(after[k] - before[k], 3) for k in ENGINE_KEYS if k in after})
 
     copy_modes = a.copy_modes.split(",") if cuda else ["cpu"]
     wts = [int(x) for x in a.writer_threads.split(",")] if a.writer_threads else [None]
     wms = a.writer_modes.split(",")
+    ras = [int(x) for x in a.read_ahead.split(",")]
+    nices = a.writer_nice.split(",") if a.writer_nice else [None]
     from speculators_compat.engine.driver_wait import driver_wait_from_env
 
     waits = a.driver_waits.split(",") if a.driver_waits else [driver_wait_from_env()]
@@ -177,8 +189,10 @@ def main(argv=None) -> int:
                     rec_slabs(gen, f"generate[{m}]" + tag, lambda: _timed(ours))
                 for wt in wts:
                     for wm in wms:
-                        name = "pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
-                        rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name))
+                        for ra, nice in [(ra, nice) for ra in ras for nice in nices]:
+                            name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
+                                    + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else ""))
+                            rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice))
                 sys.setswitchinterval(default_switch)
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
@@ -205,8 +219,10 @@ def main(argv=None) -> int:
                     rec_slabs(gen, "generate[cpu]" + tag, lambda: _timed(ours))
                     for wt in wts:
                         for wm in wms:
-                            name = "pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
-                            rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name))
+                            for ra, nice in [(ra, nice) for ra in ras for nice in nices]:
+                                name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
+                                        + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else ""))
+                                rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice))
             gen.close()
     if not a.no_hf:
         from transformers import AutoModelForCausalLM
@@ -245,7 +261,7 @@ def main(argv=None) -> int:
         ratios[f"{gen_key}/raw"] = rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"]
         tag = gen_key[gen_key.index("]") + 1:]  # the variant tags after the copy mode
         for pk in [k for k in rows if k.startswith("pipeline" + tag) and all(
-                   t.startswith(("w", "thread", "process", "auto")) for t in k[len("pipeline" + tag):].strip("[]").split("][") if t)]:
+                   t.startswith(("w", "thread", "process", "auto", "ra", "n")) for t in k[len("pipeline" + tag):].strip("[]").split("][") if t)]:
             ratios[f"{pk}/{gen_key}"] = rows[pk]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     gen_key = next(k for k in rows if k.startswith("generate"))
     if "generate[sync]" in rows and "generate[pinned]" in rows:
@@ -255,11 +271,18 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"env": env, "rows": rows, "ratios": ratios, "raw_times_s": times,
-                       "pipeline_breakdown_s": breakdown, "arena_slabs_made": slabs_made}, f, indent=1)
+                       "pipeline_breakdown_s": breakdown, "arena_slabs_made": slabs_made,
+                   "engine_s": engine_s}, f, indent=1)
     for k, v in breakdown.items():
         med = {f: statistics.median(r[f] for r in v) for f in v[0] if f.endswith("_s")}
         print(f"{k}: median s per run: " + ", ".join(f"{f} {x:.3f}" for f, x in med.items()))
     print("arena slabs made per timed run:", json.dumps(slabs_made))
+    for k, v in engine_s.items():  # prep: before the first step (of it, busy_s: finding lent slabs, and
+        # expect_s: that plus announcing the batch to the workers; the rest: handing vLLM the requests);
+        # drive: scheduling and forwards; handoff: taking the rows over
+        if v and v[0]:
+            print(f"{k}: engine median s per run: " + ", ".join(
+                f"{f} {statistics.median(r[f] for r in v):.3f}" for f in v[0]))
     print("ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     return 0
 

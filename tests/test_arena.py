@@ -308,7 +308,9 @@ def test_copy_mode_lends_nothing(prefix):
     a.close()
 
 
-def test_free_slabs_kept_up_to_the_recent_peak_then_released(prefix):
+def test_free_slabs_kept_up_to_the_recent_peak_then_released(prefix, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(w.time, "monotonic", lambda: clock[0])
     a = w._Arena(prefix, pin=False)
     held = []
     for _ in range(5):  # a write queue holding up to five batches at once
@@ -317,10 +319,31 @@ def test_free_slabs_kept_up_to_the_recent_peak_then_released(prefix):
     assert len(a.slabs) == 5
     a.prepare(1 << 20)  # all returned: the recent peak (6 in use) is kept for the next batches
     assert len(a.slabs) == 5
-    for _ in range(w._Arena.RECENT):
+    for _ in range(3 * w._Arena.RECENT):  # many quick batches holding nothing, within KEEP_S:
+        clock[0] += 0.1                    # the peak stays (a write queue needs those slabs again)
         a.prepare(1 << 20)
-    assert len(a.slabs) == 1 + w._Arena.SPARE  # the peak aged out: back to the spare count
+    assert len(a.slabs) == 5 and a._n == 5
+    clock[0] += a.keep_s + 1  # and then older than both windows: back to the spare count
+    a.prepare(1 << 20)
+    assert len(a.slabs) == 1 + w._Arena.SPARE
     a.close()
+
+
+def test_arena_keep_seconds_from_env(prefix, monkeypatch):
+    monkeypatch.setenv(w.KEEP_S_ENV, "0")
+    a = w._Arena(prefix, pin=False)
+    held = []
+    for _ in range(4):
+        a.prepare(1 << 20, busy=held)
+        held.append(a.path(a.cur))
+    for _ in range(w._Arena.RECENT + 1):  # window 0 s: only the batch count keeps the peak
+        a.prepare(1 << 20)
+    assert len(a.slabs) == 1 + w._Arena.SPARE
+    a.close()
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv(w.KEEP_S_ENV, bad)
+        with pytest.raises(ValueError, match=w.KEEP_S_ENV):
+            w._Arena(prefix, pin=False)
 
 
 def test_sweep_removes_only_files_of_engines_that_are_gone(tmp_path):
@@ -360,3 +383,30 @@ def test_sweep_removes_only_files_of_engines_that_are_gone(tmp_path):
         holder.wait()
     assert sorted(core.sweep_stale_handoff_files(d)) == sorted(os.path.basename(live) + x
                                                                for x in ("arena1", "arena2", "lock"))
+
+
+def test_no_collection_while_the_worker_has_a_free_slab(prefix):
+    """A pipeline holds the last batch's rows on purpose: while the worker still has a slab
+    nobody holds, busy() collects nothing (the rows held by a garbage cycle stay counted busy);
+    once every slab the worker has is busy, it collects and the garbage's slab comes back."""
+    import gc
+
+    from speculators_compat.engine import core
+
+    hidden, dtype = 32, torch.float32
+    a, blocks = _filled_arena(prefix, hidden, dtype, [4])
+    path = blocks[0][0]
+    r = core._ArenaReader("malloc", threads=1, lend=True)
+    holder = [r.assemble(blocks, hidden, dtype)]
+    holder.append(holder)
+    del holder  # garbage in a cycle: only a collection frees it
+    gc.disable()
+    try:
+        before = r.full_collections
+        assert r.busy(slabs=[path, prefix + "another-free-slab"]) == [path]
+        assert r.full_collections == before
+        assert r.busy(slabs=[path]) == []  # no free slab left: collect
+    finally:
+        gc.enable()
+    r.close()
+    a.close()

@@ -406,3 +406,27 @@ def test_default_writer_processes_leave_the_engine_its_cores(mocker):
         mocker.patch.object(core, "usable_cpus", return_value=cpus)
         mocker.patch.object(generator, "cuda_device_count", return_value=1 if gpu else 0)
         assert default_writer_processes(tp) == want, (cpus, tp, gpu)
+
+
+def test_writer_processes_run_at_the_niceness_asked(monkeypatch):
+    """SPECULATORS_COMPAT_WRITER_NICE lowers the writers' CPU priority (the engine's processes go
+    first where cores are short); a bad value is refused before any process starts."""
+    from speculators_compat.pipeline import writer as w
+
+    for bad in ("-1", "20", "low", "IDLE"):
+        monkeypatch.setenv(w.WRITER_NICE_ENV, bad)
+        with pytest.raises(ValueError, match=w.WRITER_NICE_ENV):
+            w.writer_pool(1)
+    monkeypatch.setenv(w.WRITER_NICE_ENV, "7")
+    try:
+        pool = w.writer_pool(1)
+        pool.wait_ready()
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, pool.procs[0].proc.pid) == min(19, mine + 7)
+        monkeypatch.setenv(w.WRITER_NICE_ENV, "idle")  # a new setting: new processes
+        pool2 = w.writer_pool(1)
+        pool2.wait_ready()
+        assert pool2 is not pool and os.sched_getscheduler(pool2.procs[0].proc.pid) == os.SCHED_IDLE
+    finally:
+        w.shutdown_writer_pool()
+

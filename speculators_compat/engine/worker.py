@@ -83,6 +83,22 @@ def _layer_output(output: Any) -> torch.Tensor:
     return output
 
 
+KEEP_S_ENV = "SPECULATORS_COMPAT_ARENA_KEEP_S"
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # (NaN too)
+        raise ValueError(f"{name} must be a number of seconds >= 0, not {raw!r}")
+    return value
+
+
 SHM_ALIGN = 64  # bytes; every block in the arena starts aligned (any dtype, vectorised copies)
 
 
@@ -105,7 +121,11 @@ class _Arena:
     """
 
     SPARE = 2  # free slabs kept besides the one being filled...
-    RECENT = 8  # ...or as many as were in use at once within the last RECENT batches
+    RECENT = 8  # ...or as many as were in use at once within the last RECENT batches...
+    KEEP_S = 30.0  # ...and the last KEEP_S seconds (env SPECULATORS_COMPAT_ARENA_KEEP_S): a burst of
+    # quick calls that hold nothing (a benchmark's plain generate() runs between pipeline runs) must not
+    # release the slabs a write queue needs again seconds later; a new one is a /dev/shm allocation
+    # plus page-locking (0.1 s or more for the ~0.5 GB of a 32 x 1024-token batch on a GPU)
 
     def __init__(self, prefix: str | None, pin: bool):
         self.prefix, self.pin = prefix, pin
@@ -113,7 +133,8 @@ class _Arena:
         self.cur: int | None = None  # the slab being filled
         self.used = 0
         self._n = 0
-        self._in_use: deque = deque(maxlen=self.RECENT)
+        self._in_use: deque = deque(maxlen=4096)  # (monotonic time, slabs in use) of recent batches
+        self.keep_s = _env_seconds(KEEP_S_ENV, self.KEEP_S)
 
     @property
     def capacity(self) -> int:
@@ -134,10 +155,14 @@ class _Arena:
         busy = set(busy)
         free = [k for k, s in self.slabs.items() if s[0] not in busy]
         in_use = len(self.slabs) - len(free) + 1
-        self._in_use.append(in_use)
+        now = time.monotonic()
+        self._in_use.append((now, in_use))
+        while len(self._in_use) > self.RECENT and now - self._in_use[0][0] > self.keep_s:
+            self._in_use.popleft()  # older than both windows
+        peak = max(n for _, n in self._in_use)
         fits = sorted((k for k in free if self.slabs[k][1].numel() >= need), key=lambda k: self.slabs[k][1].numel())
         chosen = fits[0] if fits else None
-        keep = set(fits[: 1 + max(self.SPARE, max(self._in_use) - in_use)])
+        keep = set(fits[: 1 + max(self.SPARE, peak - in_use)])
         for k in free:
             if k not in keep:
                 self._release(self.slabs.pop(k))
@@ -259,6 +284,7 @@ class _CaptureState:
     tokens: int = 0
     t_hooks: float = 0.0  # seconds inside capture hooks (device->host copies issued/done)
     t_take: float = 0.0  # seconds assembling and handing off in take()
+    t_expect: float = 0.0  # seconds in compat_capture_expect (readying the arena for a batch)
     nonfinite: list = field(default_factory=list)  # device flags: did a step's layer hold NaN/Inf?
 
 
@@ -524,6 +550,7 @@ class CaptureExtension:
         st = getattr(self, "_compat_capture", None)
         if st is None:
             return
+        t0 = time.perf_counter()
         need = 0
         if st.hidden and st.dtype is not None:
             es = st.dtype.itemsize
@@ -536,6 +563,7 @@ class CaptureExtension:
         else:
             st.arena.reserve(need)
         st.expected.update(expected)
+        st.t_expect += time.perf_counter() - t0
 
     def compat_capture_take(self, req_ids: list[str], want_data: bool = True) -> dict:
         return take_captures(self, req_ids, want_data)
@@ -553,7 +581,7 @@ class CaptureExtension:
             return {}
         return {"steps": st.steps, "tokens": st.tokens, "pending_requests": len(st.segments),
                 "copy_mode": st.copy_mode, "hook_s": round(st.t_hooks, 3),
-                "take_s": round(st.t_take, 3), "arena_bytes": st.arena.total_bytes if st.arena else 0,
+                "take_s": round(st.t_take, 3), "worker_expect_s": round(st.t_expect, 4), "arena_bytes": st.arena.total_bytes if st.arena else 0,
                 "arena_slabs": len(st.arena.slabs) if st.arena else 0,
                 "arena_slabs_made": st.arena._n if st.arena else 0}  # (each one allocated, page-locked on a GPU)
 

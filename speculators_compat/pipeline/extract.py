@@ -106,6 +106,19 @@ class _Prefetch:
         self._t.join(timeout=5)
 
 
+class _Inline:
+    """The same interface as _Prefetch, reading each batch when it is asked for (no thread)."""
+
+    def __init__(self, it: Iterator):
+        self._it = it
+
+    def next(self):
+        return next(self._it, None)
+
+    def close(self) -> None:
+        pass
+
+
 def count_samples(path: str | Path) -> int | None:
     p = Path(path)
     if p.is_file():
@@ -122,7 +135,8 @@ def count_samples(path: str | Path) -> int | None:
 def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, batch_size: int = 8,
                 max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
                 queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
-                layer_id_convention: str = "upstream", writer: str = "auto", **gen_kwargs) -> dict[str, Any]:
+                layer_id_convention: str = "upstream", writer: str = "auto", read_ahead: bool = True,
+                **gen_kwargs) -> dict[str, Any]:
     import torch
 
     from ..generator import token_tensor
@@ -177,7 +191,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                  "truncated": [], "skipped_overlength": []}
         n_seen = 0
         generate_s = put_s = read_s = 0.0
-        batches = _Prefetch(_batches(samples, batch_size))
+        batches = _Prefetch(_batches(samples, batch_size)) if read_ahead else _Inline(_batches(samples, batch_size))
         try:
             while True:
                 t_read = time.perf_counter()

@@ -317,6 +317,29 @@ class WriterProcessDied(OutputError):
     pass
 
 
+WRITER_NICE_ENV = "SPECULATORS_COMPAT_WRITER_NICE"
+
+
+def _writer_nice() -> int | str:
+    """How much lower the writer processes' CPU priority is: an ``os.nice`` increment 0..19, or
+    ``idle`` (Linux SCHED_IDLE: they run on cores nothing else wants). Env
+    SPECULATORS_COMPAT_WRITER_NICE, default 0; read when the writer processes start."""
+    raw = os.environ.get(WRITER_NICE_ENV, "").strip()
+    if not raw:
+        return 0
+    if raw == "idle":
+        if not hasattr(os, "SCHED_IDLE"):
+            raise ValueError(f"{WRITER_NICE_ENV}=idle needs Linux SCHED_IDLE, which this platform lacks")
+        return raw
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 19:
+        raise ValueError(f"{WRITER_NICE_ENV} must be an integer 0..19 (a niceness increment) or idle, not {raw!r}")
+    return n
+
+
 def default_writer_processes(gpu_workers: int | None = None) -> int:
     """On a GPU host, every CPU but one for the driver and one per engine worker (both spin while
     the GPUs work), 2..16: with 14 processes on a 16-core H200 host the last batch's files were
@@ -394,6 +417,11 @@ def _writer_process_main(task_conn, result_conn) -> None:
     import torch
 
     torch.set_num_threads(1)
+    niceness = _writer_nice()
+    if niceness == "idle":  # background work: where cores are short, the engine's processes go first
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    elif niceness:
+        os.nice(niceness)
     parent = os.getppid()
     fd = task_conn.fileno()
     maps: dict[str, mmap.mmap] = {}
@@ -496,6 +524,7 @@ class _WriterPool:
 
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
         self.n = n
+        self.nice = _writer_nice()  # (the processes read it from the environment as they start)
         self.procs = [_WriterProc(ctx, i) for i in range(n)]
         self.lock = threading.Lock()  # one ProcessWriter at a time
 
@@ -567,8 +596,9 @@ def writer_pool(n: int | None = None, gpu_workers: int | None = None) -> _Writer
     n = n if n is not None else default_writer_processes(gpu_workers)
     if n < 1:
         raise ValueError(f"writer processes must be >= 1, not {n}")
+    nice = _writer_nice()  # a bad setting is an error here, not a dead writer process
     with _POOL_LOCK:
-        if _POOL is not None and (_POOL.n != n or _POOL.dead()):
+        if _POOL is not None and (_POOL.n != n or _POOL.dead() or _POOL.nice != nice):
             _POOL.close(graceful=not _POOL.dead())
             _POOL = None
         if _POOL is None:
