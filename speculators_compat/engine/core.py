@@ -475,6 +475,9 @@ class ExtractionEngine:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = opts.worker_start_method
         self._reader = _ArenaReader()  # reads its settings from the environment: fail before starting
         wait_mode = driver_wait_from_env()
+        from .worker import KEEP_S_ENV, _Arena, _env_seconds
+
+        _env_seconds(KEEP_S_ENV, _Arena.KEEP_S)  # (the workers read it too)
         executor_class = Executor.get_class(self.vllm_config)
         self._worker_failed = False
         self.core = EngineCore(self.vllm_config, executor_class, log_stats=False,
