@@ -317,6 +317,11 @@ class WriterProcessDied(OutputError):
     pass
 
 
+def _died(proc, exitcode) -> WriterProcessDied:
+    return WriterProcessDied(f"writer process {proc.name} (pid {proc.pid}) died with exit code {exitcode}; "
+                             "files already written are complete, rerun to resume")
+
+
 WRITER_NICE_ENV = "SPECULATORS_COMPAT_WRITER_NICE"
 
 
@@ -761,10 +766,7 @@ class ProcessWriter:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                self._fail(WriterProcessDied(
-                    f"writer process {w.proc.name} (pid {w.proc.pid}) died with exit code "
-                    f"{w.proc.exitcode if not w.proc.is_alive() else 'unknown (pipe closed)'}; files already "
-                    f"written are complete, rerun to resume"))
+                self._fail(_died(w.proc, w.proc.exitcode if not w.proc.is_alive() else "unknown (pipe closed)"))
                 continue
             try:
                 for rec in msg[1]:
@@ -776,9 +778,7 @@ class ProcessWriter:
         if not ready and timeout:
             dead = self.pool.dead()
             if dead:
-                self._fail(WriterProcessDied(
-                    f"writer process {dead[0].name} (pid {dead[0].pid}) died with exit code "
-                    f"{dead[0].exitcode}; files already written are complete, rerun to resume"))
+                self._fail(_died(dead[0], dead[0].exitcode))
 
     def close(self) -> None:
         """Wait for every queued sample (or the first failure), release the pool, re-raise."""
