@@ -411,6 +411,7 @@ def test_default_writer_processes_leave_the_engine_its_cores(mocker):
 def test_writer_processes_run_at_the_niceness_asked(monkeypatch):
     """SPECULATORS_COMPAT_WRITER_NICE lowers the writers' CPU priority (the engine's processes go
     first where cores are short); a bad value is refused before any process starts."""
+    pytest.importorskip("torch")  # (the writer processes import it)
     from speculators_compat.pipeline import writer as w
 
     for bad in ("-1", "20", "low", "IDLE"):
