@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     engine_s: dict[str, list[dict]] = {}  # per timed run: where the engine's time went (s)
     ENGINE_KEYS = ("prep_s", "busy_s", "expect_s", "drive_s", "handoff_s", "hook_s", "take_s")
 
-    def rec_slabs(gen, name, fn):
+    def rec_run(gen, name, fn):  # time fn; note the slabs it made and the engine's time split
         before = gen.engine.stats()
         rec(name, fn())
         after = gen.engine.stats()
@@ -156,6 +156,13 @@ def main(argv=None) -> int:
     wms = a.writer_modes.split(",")
     ras = [int(x) for x in a.read_ahead.split(",")]
     nices = a.writer_nice.split(",") if a.writer_nice else [None]
+
+    def time_pipelines(gen, tag):  # every pipeline variant asked for, once each
+        for wt, wm, ra, nice in [(wt, wm, ra, nice) for wt in wts for wm in wms for ra in ras for nice in nices]:
+            name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
+                    + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else ""))
+            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice))
+
     from speculators_compat.engine.driver_wait import driver_wait_from_env
 
     waits = a.driver_waits.split(",") if a.driver_waits else [driver_wait_from_env()]
@@ -186,13 +193,8 @@ def main(argv=None) -> int:
                     if m != gen.engine.opts.copy_mode:  # a switch rebuilds the worker's arena:
                         gen.engine.set_copy_mode(m)     # that first call is set-up, not throughput
                         ours()
-                    rec_slabs(gen, f"generate[{m}]" + tag, lambda: _timed(ours))
-                for wt in wts:
-                    for wm in wms:
-                        for ra, nice in [(ra, nice) for ra in ras for nice in nices]:
-                            name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
-                                    + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else ""))
-                            rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice))
+                    rec_run(gen, f"generate[{m}]" + tag, lambda: _timed(ours))
+                time_pipelines(gen, tag)
                 sys.setswitchinterval(default_switch)
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
@@ -216,13 +218,8 @@ def main(argv=None) -> int:
                     gen.engine.set_zero_copy(bool(z))
                     gen.engine.set_driver_wait(dw)
                     tag = (f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else "")
-                    rec_slabs(gen, "generate[cpu]" + tag, lambda: _timed(ours))
-                    for wt in wts:
-                        for wm in wms:
-                            for ra, nice in [(ra, nice) for ra in ras for nice in nices]:
-                                name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
-                                        + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else ""))
-                                rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice))
+                    rec_run(gen, "generate[cpu]" + tag, lambda: _timed(ours))
+                    time_pipelines(gen, tag)
             gen.close()
     if not a.no_hf:
         from transformers import AutoModelForCausalLM
@@ -272,7 +269,7 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"env": env, "rows": rows, "ratios": ratios, "raw_times_s": times,
                        "pipeline_breakdown_s": breakdown, "arena_slabs_made": slabs_made,
-                   "engine_s": engine_s}, f, indent=1)
+                       "engine_s": engine_s}, f, indent=1)
     for k, v in breakdown.items():
         med = {f: statistics.median(r[f] for r in v) for f in v[0] if f.endswith("_s")}
         print(f"{k}: median s per run: " + ", ".join(f"{f} {x:.3f}" for f, x in med.items()))
