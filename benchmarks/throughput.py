@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--writer-modes", default="auto", help="e.g. 'thread,process': the pipeline's writer")
     ap.add_argument("--read-ahead", default="1", help="e.g. '1,0': the pipeline reads its input a batch ahead "
                     "on a thread (1, its default) or in line (0)")
+    ap.add_argument("--handoff-early", default="0", help="e.g. '0,1': the pipeline hands a batch to its writers "
+                    "during the next batch's call, after its announcement (1), or right after its own call (0)")
     ap.add_argument("--writer-nice", default=None, help="e.g. '0,idle': the writer processes' priority "
                     "(SPECULATORS_COMPAT_WRITER_NICE: a niceness increment or idle)")
     ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
 
     breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
 
-    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None):
+    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, he=False):
         if nice is not None:  # read when the writer processes start (a change restarts them)
             os.environ["SPECULATORS_COMPAT_WRITER_NICE"] = nice
         if wm == "process" or (wm == "auto" and cuda):  # a new pool size restarts the processes:
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
             out = tempfile.mkdtemp(prefix="out-", dir=tmp)
             t = time.perf_counter()
             s = run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False, writer_threads=wt,
-                            writer=wm, read_ahead=ra)
+                            writer=wm, read_ahead=ra, handoff_early=he)
             total = time.perf_counter() - t
             shutil.rmtree(out)
             if name:
@@ -156,6 +158,7 @@ def main(argv=None) -> int:
     wms = a.writer_modes.split(",")
     ras = [int(x) for x in a.read_ahead.split(",")]
     nices = a.writer_nice.split(",") if a.writer_nice else [None]
+    hes = [int(x) for x in a.handoff_early.split(",")]
     from speculators_compat.engine.driver_wait import driver_wait_from_env
 
     waits = a.driver_waits.split(",") if a.driver_waits else [driver_wait_from_env()]
@@ -189,10 +192,11 @@ def main(argv=None) -> int:
                     rec_slabs(gen, f"generate[{m}]" + tag, lambda: _timed(ours))
                 for wt in wts:
                     for wm in wms:
-                        for ra, nice in [(ra, nice) for ra in ras for nice in nices]:
+                        for ra, nice, he in [(ra, nice, he) for ra in ras for nice in nices for he in hes]:
                             name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
-                                    + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else ""))
-                            rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice))
+                                    + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else "")
+                                    + (f"[he{he}]" if len(hes) > 1 else ""))
+                            rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, bool(he)))
                 sys.setswitchinterval(default_switch)
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
@@ -219,10 +223,11 @@ def main(argv=None) -> int:
                     rec_slabs(gen, "generate[cpu]" + tag, lambda: _timed(ours))
                     for wt in wts:
                         for wm in wms:
-                            for ra, nice in [(ra, nice) for ra in ras for nice in nices]:
+                            for ra, nice, he in [(ra, nice, he) for ra in ras for nice in nices for he in hes]:
                                 name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
-                                        + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else ""))
-                                rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice))
+                                        + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else "")
+                                        + (f"[he{he}]" if len(hes) > 1 else ""))
+                                rec_slabs(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, bool(he)))
             gen.close()
     if not a.no_hf:
         from transformers import AutoModelForCausalLM
@@ -261,7 +266,7 @@ def main(argv=None) -> int:
         ratios[f"{gen_key}/raw"] = rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"]
         tag = gen_key[gen_key.index("]") + 1:]  # the variant tags after the copy mode
         for pk in [k for k in rows if k.startswith("pipeline" + tag) and all(
-                   t.startswith(("w", "thread", "process", "auto", "ra", "n")) for t in k[len("pipeline" + tag):].strip("[]").split("][") if t)]:
+                   t.startswith(("w", "thread", "process", "auto", "ra", "n", "he")) for t in k[len("pipeline" + tag):].strip("[]").split("][") if t)]:
             ratios[f"{pk}/{gen_key}"] = rows[pk]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     gen_key = next(k for k in rows if k.startswith("generate"))
     if "generate[sync]" in rows and "generate[pinned]" in rows:
