@@ -530,14 +530,16 @@ class ExtractionEngine:
         return out[0] if self._rpc_unwrap else out
 
     # ------------------------------------------------------------------ the loop
-    def run(self, prompts: Sequence[Sequence[int]]) -> list[list[Any]]:
-        """Hidden states for each prompt: ``result[i][j]`` is [len(prompts[i]), hidden] for layer j."""
+    def run(self, prompts: Sequence[Sequence[int]], on_submitted=None) -> list[list[Any]]:
+        """Hidden states for each prompt: ``result[i][j]`` is [len(prompts[i]), hidden] for layer j.
+        ``on_submitted()``, if given, runs once the batch is announced to the workers and queued,
+        right before the first step (an error from it abandons the batch and is raised)."""
         if self._closed:
             raise RuntimeError("engine was shut down")
         with self._lock:
-            return self._run(prompts)
+            return self._run(prompts, on_submitted)
 
-    def _run(self, prompts):
+    def _run(self, prompts, on_submitted=None):
         max_len = self.max_model_len - 1  # room for the one sampled token
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -556,6 +558,9 @@ class ExtractionEngine:
                 self.core.add_request(self._make_request(rid, list(p)))
             t0 = time.perf_counter()
             self.timings["prep_s"] += t0 - t_prep
+            if on_submitted is not None:
+                on_submitted()
+                t0 = time.perf_counter()
             self._drive()
             t1 = time.perf_counter()
             taken = self._rpc_rank0("compat_capture_take", ids)

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator
 
 from .. import versions
 from .dataset import DatasetError, Sample, open_dataset
-from .writer import BackgroundWriter, OutputDir, ProcessWriter
+from .writer import BackgroundWriter, OutputDir, ProcessWriter, check_checksum
 
 WRITER_MODES = ("auto", "thread", "process")
 
@@ -136,11 +136,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
                 queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
                 layer_id_convention: str = "upstream", writer: str = "auto", read_ahead: bool = True,
-                **gen_kwargs) -> dict[str, Any]:
-    import torch
-
-    from ..generator import token_tensor
-
+                handoff_early: bool = False, checksum: str = "sha256", **gen_kwargs) -> dict[str, Any]:
     model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
@@ -148,6 +144,11 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
         raise ValueError(f"writer must be one of {WRITER_MODES}, not {writer!r}")
     if on_overlength not in ("truncate", "error", "skip"):
         raise ValueError(f"on_overlength must be truncate, error or skip, not {on_overlength!r}")
+    check_checksum(checksum)
+    import torch
+
+    from ..generator import token_tensor
+
     t0 = time.time()
     total = count_samples(input_path)
     if max_samples is not None:
@@ -178,7 +179,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                     "layer_id_convention": "upstream", "format": fmt, "batch_size": batch_size,
                     "max_model_len": max_len + 1, "on_overlength": on_overlength,
                     "dtype": str(generator.vllm_config.model_config.dtype).replace("torch.", "")}
-        out = OutputDir(output, fmt)
+        out = OutputDir(output, fmt, checksum)
         done = out.prepare(run_info)
         writer_mode = choose_writer(writer, generator)
         if writer_mode == "process":
@@ -191,6 +192,21 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                  "truncated": [], "skipped_overlength": []}
         n_seen = 0
         generate_s = put_s = read_s = 0.0
+        # handoff_early: a batch's files go to the writer during the next engine call, once that
+        # batch is announced to the workers (right before its first step), instead of right after
+        # the call that computed them: the writers' start then overlaps the engine's steps rather
+        # than the announcement round trip (on the H200 that round trip was ~5 ms a batch slower
+        # while the writers started; docs/gpu-results.md section 9)
+        pending: list = []
+
+        def hand_off() -> None:
+            nonlocal put_s
+            if pending:
+                items, pending[:] = list(pending), []
+                t = time.perf_counter()
+                writer.put(items)
+                put_s += time.perf_counter() - t
+
         batches = _Prefetch(_batches(samples, batch_size)) if read_ahead else _Inline(_batches(samples, batch_size))
         try:
             while True:
@@ -202,6 +218,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 n_seen += len(batch)
                 todo = [s for s in batch if s.index not in done]
                 if not todo:
+                    hand_off()
                     stats["skipped_done"] += len(batch)
                     bar.update(len(batch))
                     continue
@@ -221,11 +238,15 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                     masks.append(m)
                     keep.append(s)
                 if not keep:
+                    hand_off()
                     bar.update(len(batch))
                     continue
-                t_gen = time.perf_counter()
-                results = generator.generate(ids)
-                generate_s += time.perf_counter() - t_gen
+                t_gen, put_before = time.perf_counter(), put_s
+                if handoff_early:
+                    results = generator._generate(ids, on_submitted=hand_off)
+                else:
+                    results = generator.generate(ids)
+                generate_s += time.perf_counter() - t_gen - (put_s - put_before)
                 items = []
                 for s, r, m in zip(keep, results, masks):
                     if s.index in done:
@@ -238,16 +259,19 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 stats["computed"] += len(keep)
                 stats["written_new"] += len(items)
                 stats["skipped_done"] += len(batch) - len(todo)
-                t_put = time.perf_counter()
-                writer.put(items)
-                put_s += time.perf_counter() - t_put
+                pending.extend(items)
+                if not handoff_early:
+                    hand_off()
                 bar.update(len(batch))
                 bar.set_postfix_str(f"{stats['tokens'] / max(time.time() - t_compute, 1e-9):,.0f} tok/s", refresh=False)
+            hand_off()
             stats["samples_seen"] = n_seen
         finally:
             batches.close()
             bar.close()
             try:
+                if pending and writer.error is None:  # a later batch failed: what was computed is kept
+                    hand_off()
                 writer.close()
             except Exception as e:  # don't mask the original error; report the writer's own failure
                 if sys.exc_info()[0] is None:
@@ -303,7 +327,7 @@ def main_extract(args) -> int:
         args.model, args.input, args.output, layer_ids=args.layer_ids, batch_size=args.batch_size,
         max_samples=args.max_samples, fmt=args.format, on_overlength=args.on_overlength,
         queue_size=args.queue_size, progress=not args.no_progress, writer_threads=args.writer_threads,
-        writer=args.writer,
+        writer=args.writer, checksum=args.checksum,
         layer_id_convention=args.layer_id_convention, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, quantization=args.quantization,
         trust_remote_code=args.trust_remote_code, max_num_batched_tokens=args.max_num_batched_tokens,
