@@ -22,6 +22,7 @@ engine's workers still poll), in the order raw, ours, raw, ours...
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
                     "(SPECULATORS_COMPAT_WRITER_NICE: a niceness increment or idle)")
     ap.add_argument("--handoff-early", default="0", help="e.g. '0,1': the pipeline hands a batch to its writers "
                     "right after its engine call (0) or during the next call, once that is announced (1)")
-    ap.add_argument("--checksums", default="sha256", help="e.g. 'sha256,crc32': the pipeline's file checksum")
+    ap.add_argument("--checksums", default="crc32", help="e.g. 'crc32,sha256': the pipeline's file checksum "
+                    "(crc32 is the pipeline's default)")
     ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
                     "to take the disk out of the measurement)")
     ap.add_argument("--no-hf", action="store_true")
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
 
     breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
 
-    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, he=False, ck="sha256"):
+    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, he=False, ck="crc32"):
         if nice is not None:  # read when the writer processes start (a change restarts them)
             os.environ["SPECULATORS_COMPAT_WRITER_NICE"] = nice
         if wm == "process" or (wm == "auto" and cuda):  # a new pool size restarts the processes:
@@ -148,9 +150,23 @@ def main(argv=None) -> int:
     engine_s: dict[str, list[dict]] = {}  # per timed run: where the engine's time went (s)
     ENGINE_KEYS = ("prep_s", "busy_s", "expect_s", "drive_s", "handoff_s", "hook_s", "take_s")
 
-    def rec_run(gen, name, fn):  # time fn; note the slabs it made and the engine's time split
+    gc_s: dict[str, list[dict]] = {}  # per timed run: the driver's garbage collections (seconds, gen-2 count)
+    gc_now = {"t0": 0.0, "s": 0.0, "full": 0}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_now["t0"] = time.perf_counter()
+        else:
+            gc_now["s"] += time.perf_counter() - gc_now["t0"]
+            gc_now["full"] += info.get("generation") == 2
+
+    gc.callbacks.append(on_gc)
+
+    def rec_run(gen, name, fn):  # time fn; note the slabs it made, the engine's time split and the driver's GC
         before = gen.engine.stats()
+        gc_now.update(s=0.0, full=0)
         rec(name, fn())
+        gc_s.setdefault(name, []).append({"gc_s": round(gc_now["s"], 4), "full_collections": gc_now["full"]})
         after = gen.engine.stats()
         slabs_made.setdefault(name, []).append(after.get("arena_slabs_made", 0) - before.get("arena_slabs_made", 0))
         engine_s.setdefault(name, []).append({k: round(after[k] - before[k], 3) for k in ENGINE_KEYS if k in after})
@@ -276,7 +292,7 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"env": env, "rows": rows, "ratios": ratios, "raw_times_s": times,
                        "pipeline_breakdown_s": breakdown, "arena_slabs_made": slabs_made,
-                       "engine_s": engine_s}, f, indent=1)
+                       "engine_s": engine_s, "driver_gc": gc_s}, f, indent=1)
     for k, v in breakdown.items():
         med = {f: statistics.median(r[f] for r in v) for f in v[0] if f.endswith("_s")}
         print(f"{k}: median s per run: " + ", ".join(f"{f} {x:.3f}" for f, x in med.items()))
@@ -287,6 +303,9 @@ def main(argv=None) -> int:
         if v and v[0]:
             print(f"{k}: engine median s per run: " + ", ".join(
                 f"{f} {statistics.median(r[f] for r in v):.3f}" for f in v[0]))
+    for k, v in gc_s.items():
+        print(f"{k}: driver GC per run: median {statistics.median(r['gc_s'] for r in v):.4f} s, "
+              f"full collections {[r['full_collections'] for r in v]}")
     print("ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     return 0
 

@@ -1,4 +1,4 @@
-"""``speculators-compat``: doctor / demo / extract / plan.
+"""``speculators-compat``: doctor / demo / extract / plan / verify.
 
 vLLM and torch are imported only by the sub-commands that need them, so ``--help`` and ``doctor``
 work anywhere.
@@ -48,6 +48,12 @@ def _plan(args) -> int:
     return main_plan(args)
 
 
+def _verify(args) -> int:
+    from .pipeline.verify import main_verify
+
+    return main_verify(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="speculators-compat", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -71,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="dry run: memory, tokens per step and disk, from config.json only")
     add_plan_args(p)
     p.set_defaults(fn=_plan)
+
+    v = sub.add_parser("verify", help="check an extract output's files against its manifest (sizes, checksums)")
+    v.add_argument("output", help="the output directory of extract")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=_verify)
     return ap
 
 

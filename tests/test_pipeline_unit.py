@@ -114,8 +114,8 @@ def test_writer_failure_surfaces_and_keeps_written_files(tmp_path, mocker):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_parallel_writer_writes_every_file_with_its_checksum(tmp_path, threads):
     torch = pytest.importorskip("torch")
-    import hashlib
     import json
+    import zlib
 
     from speculators_compat.pipeline import writer as w
 
@@ -130,7 +130,7 @@ def test_parallel_writer_writes_every_file_with_its_checksum(tmp_path, threads):
     assert sorted(r["index"] for r in recs) == list(range(20))
     for r in recs:
         data = (tmp_path / r["file"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == r["sha256"] and len(data) == r["bytes"]
+        assert f"{zlib.crc32(data):08x}" == r["crc32"] and len(data) == r["bytes"]  # the default checksum
         assert torch.load(tmp_path / r["file"], weights_only=True)["input_ids"].numel() == r["tokens"]
 
 
@@ -156,7 +156,7 @@ def test_default_writer_threads_scale_with_cpus(monkeypatch):
 def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch, rows):
     """Small samples are serialised in memory and written once; big ones stream through the hash.
     Both must write the same bytes (a resumed run stays byte-identical across the threshold) and
-    report that file's sha256 and size."""
+    report that file's checksum and size."""
     import hashlib
 
     torch = pytest.importorskip("torch")
@@ -169,7 +169,7 @@ def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch,
     for name, limit in [("memory", 1 << 40), ("stream", 0)]:
         monkeypatch.setattr(writer, "SMALL_SAMPLE_BYTES", limit)
         p = tmp_path / f"data_{name}.pt"
-        digest, n = writer.write_sample(p, sample, "pt")
+        digest, n = writer.write_sample(p, sample, "pt", "sha256")
         data = p.read_bytes()
         assert (digest, n) == (hashlib.sha256(data).hexdigest(), len(data))
         assert not list(tmp_path.glob(".*partial"))
@@ -220,7 +220,7 @@ def _write_with_both(tmp_path, items, reader, fmt="pt", split=3, workers=2):
         bw.put(items[split:])
         bw.close()
         files = {p.name: p.read_bytes() for p in (tmp_path / kind).glob("data_*")}
-        sums = sorted(json.loads(x)["sha256"] for x in (tmp_path / kind / "checksums.jsonl").read_text().splitlines())
+        sums = sorted(json.loads(x)["crc32"] for x in (tmp_path / kind / "checksums.jsonl").read_text().splitlines())
         got[kind] = (files, sums, bw)
     return got
 
@@ -497,7 +497,7 @@ def test_unknown_checksum_is_refused_before_anything_starts(tmp_path):
     from speculators_compat.cli import build_parser
     from speculators_compat.pipeline.extract import run_extract
 
-    with pytest.raises(ValueError, match="checksum must be one of sha256, crc32, none, not 'md5'"):
+    with pytest.raises(ValueError, match="checksum must be one of crc32, sha256, none, not 'md5'"):
         OutputDir(tmp_path, "pt", "md5")
     # refused before the input is read or an engine starts (neither exists here)
     with pytest.raises(ValueError, match="'md5'"):
@@ -505,3 +505,66 @@ def test_unknown_checksum_is_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "o").exists()
     with pytest.raises(SystemExit):
         build_parser().parse_args(["extract", "--model", "m", "--input", "i", "--output", "o", "--checksum", "md5"])
+
+
+def test_a_rerun_keeps_the_checksum_it_finds_unless_told(tmp_path):
+    """No --checksum: a new output gets crc32; a rerun into an output made with sha256 keeps sha256
+    (no rehash of a large dataset because a default changed)."""
+    torch = pytest.importorskip("torch")
+    from speculators_compat.pipeline import writer as w
+
+    sample = {"input_ids": torch.arange(4), "hidden_states": [torch.randn(4, 8)], "loss_mask": torch.ones(4)}
+    assert OutputDir(tmp_path / "new").checksum is None
+    fresh = OutputDir(tmp_path / "new")
+    fresh.prepare({"m": 1})
+    assert fresh.checksum == "crc32"
+    old = OutputDir(tmp_path / "old", "pt", "sha256")
+    old.prepare({"m": 1})
+    bw = w.BackgroundWriter(old, queue_size=1, threads=1)
+    bw.put([(0, sample)])
+    bw.close()
+    again = OutputDir(tmp_path / "old")
+    again.prepare({"m": 1})
+    assert again.checksum == "sha256"
+    bw = w.BackgroundWriter(again, queue_size=1, threads=1)
+    bw.put([(1, sample)])
+    bw.close()
+    manifest = again.finalize(2, {})
+    assert manifest["checksum"] == "sha256"
+    assert all(r["sha256"] == _independent_digest("sha256", (tmp_path / "old" / r["file"]).read_bytes())
+               for r in manifest["files"])
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "sha256"])
+def test_verify_finds_every_kind_of_damage(tmp_path, checksum, capsys):
+    """`speculators-compat verify`: a clean output passes; a flipped byte (same size), a truncated
+    file, a deleted file and an unlisted data file are each named, and the exit code is 1."""
+    torch = pytest.importorskip("torch")
+    from speculators_compat.cli import main
+    from speculators_compat.pipeline import writer as w
+
+    out = OutputDir(tmp_path, "pt", checksum)
+    out.prepare({"m": 1})
+    bw = w.BackgroundWriter(out, queue_size=1, threads=2)
+    bw.put([(i, {"input_ids": torch.arange(6), "hidden_states": [torch.randn(6, 16)],
+                 "loss_mask": torch.ones(6)}) for i in range(5)])
+    bw.close()
+    assert main(["verify", str(tmp_path)]) == 0  # before the manifest: checksums.jsonl
+    out.finalize(5, {})
+    assert main(["verify", str(tmp_path)]) == 0
+    assert "OK: 5 files checked against manifest.json" in capsys.readouterr().out
+    b = bytearray((tmp_path / "data_1.pt").read_bytes())
+    b[-100] ^= 0xFF
+    (tmp_path / "data_1.pt").write_bytes(bytes(b))
+    (tmp_path / "data_2.pt").write_bytes(b[:50])
+    (tmp_path / "data_3.pt").unlink()
+    (tmp_path / "data_9.pt").write_bytes(b"x")
+    assert main(["verify", str(tmp_path)]) == 1
+    text = capsys.readouterr().out
+    assert f"data_1.pt: {checksum} differs" in text
+    assert "data_2.pt: 50 bytes, listed as" in text
+    assert "data_3.pt: missing" in text
+    assert "data_9.pt: on disk but not listed" in text
+    assert "data_0.pt" not in text and "data_4.pt" not in text
+    assert main(["verify", str(tmp_path / "nope")]) == 2  # a clear error, not a traceback
+    assert "no output directory" in capsys.readouterr().err

@@ -136,7 +136,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
                 queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
                 layer_id_convention: str = "upstream", writer: str = "auto", read_ahead: bool = True,
-                handoff_early: bool = False, checksum: str = "sha256", **gen_kwargs) -> dict[str, Any]:
+                handoff_early: bool = False, checksum: str | None = None, **gen_kwargs) -> dict[str, Any]:
     model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")

@@ -55,9 +55,9 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
                    help="files written in parallel: threads (default half the CPUs, 2..8) or "
                         "processes (default on a GPU host: CPUs - 1 - tensor-parallel size, 2..16; "
                         "elsewhere half the CPUs, 2..16)")
-    p.add_argument("--checksum", choices=("sha256", "crc32", "none"), default="sha256",
-                   help="each file's checksum in checksums.jsonl and manifest.json (crc32: zlib's CRC-32, "
-                        "~3x less CPU than sha256)")
+    p.add_argument("--checksum", choices=("crc32", "sha256", "none"), default=None,
+                   help="each file's checksum in checksums.jsonl and manifest.json (default: what an earlier "
+                        "run into --output used, else crc32: zlib's CRC-32, ~3x less CPU than sha256)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
     p.add_argument("--no-progress", action="store_true")
 

@@ -8,9 +8,12 @@
     OUT/checksums.jsonl       one line per finished file: index, name, checksum, bytes, tokens
     OUT/manifest.json         written at the end: counts and every file's checksum, sorted by index
 
-The checksum is ``sha256`` (default), ``crc32`` (zlib's CRC-32, as zip and gzip use: ~3x less
-CPU than sha256) or ``none``; each record names its algorithm by its key (``"sha256": hex`` or
-``"crc32": 8 hex digits``).
+The checksum is ``crc32`` (zlib's CRC-32, as zip and gzip use; the default), ``sha256`` or ``none``;
+each record names its algorithm by its key (``"crc32": 8 hex digits`` or ``"sha256": hex``). The
+default is crc32 because it was measured: sha256 needs ~3x the CPU, and on an H200 host the
+pipeline kept 0.86-0.89 of generate() with it against 0.89-0.90 with crc32 (docs/gpu-results.md
+section 10). A rerun into an existing output keeps the algorithm it finds there unless told
+otherwise (the manifest then rehashes the earlier files, so it never mixes algorithms).
 
 Every data file is written to a temp name (``.data_{i}.pt.partial``: not ``*pt``, so the trainer never
 sees it) and renamed into place. A sample is complete iff its final file exists. Writes happen on a
@@ -45,7 +48,8 @@ def file_name(index: int, fmt: str) -> str:
     return f"data_{index}.{fmt}"
 
 
-CHECKSUMS = ("sha256", "crc32", "none")
+CHECKSUMS = ("crc32", "sha256", "none")
+DEFAULT_CHECKSUM = "crc32"
 
 
 class _Crc32:
@@ -69,8 +73,9 @@ class _NoDigest:
         return None
 
 
-def check_checksum(name: str) -> str:
-    if name not in CHECKSUMS:
+def check_checksum(name: str | None) -> str | None:
+    """``name`` if it is a known checksum (None: choose later, see OutputDir); else ValueError."""
+    if name is not None and name not in CHECKSUMS:
         raise ValueError(f"checksum must be one of {', '.join(CHECKSUMS)}, not {name!r}")
     return name
 
@@ -99,7 +104,7 @@ def file_digest(path: Path, name: str) -> str | None:
 class _HashingFile(io.RawIOBase):
     """A write-only file that hashes and counts what passes through it."""
 
-    def __init__(self, f, checksum: str = "sha256"):
+    def __init__(self, f, checksum: str = DEFAULT_CHECKSUM):
         self.f, self.h, self.n = f, new_digest(checksum), 0
 
     def writable(self):
@@ -111,7 +116,7 @@ class _HashingFile(io.RawIOBase):
         return self.f.write(b)
 
 
-def write_sample(path: Path, sample: dict[str, Any], fmt: str, checksum: str = "sha256") -> tuple[str | None, int]:
+def write_sample(path: Path, sample: dict[str, Any], fmt: str, checksum: str = DEFAULT_CHECKSUM) -> tuple[str | None, int]:
     """Write ``sample`` atomically to ``path``; returns (checksum hex or None, bytes). A sample whose states
     exceed ``SMALL_SAMPLE_BYTES`` streams torch.save into the file through a hash (no in-memory
     copy); a smaller one is serialised in memory and written with one call, which per-file costs
@@ -199,7 +204,8 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
 
 
 class OutputDir:
-    def __init__(self, root: str | Path, fmt: str = "pt", checksum: str = "sha256"):
+    def __init__(self, root: str | Path, fmt: str = "pt", checksum: str | None = None):
+        """``checksum``: see CHECKSUMS; None: the one an earlier run used here, else DEFAULT_CHECKSUM."""
         self.root = Path(root)
         self.fmt = fmt
         self.checksum = check_checksum(checksum)
@@ -221,6 +227,8 @@ class OutputDir:
                 raise OutputError(f"{self.root} holds a different run ({detail}); use a new --output")
         else:
             atomic_write(run_file, json.dumps(run_info, indent=2, sort_keys=True).encode())
+        if self.checksum is None:
+            self.checksum = self._earlier_checksum() or DEFAULT_CHECKSUM
         for p in self.root.glob(".data_*.partial"):
             logger.info("removing partial file %s from an interrupted run", p.name)
             p.unlink()
@@ -230,6 +238,19 @@ class OutputDir:
             if m and m.group(2) == self.fmt:
                 done.add(int(m.group(1)))
         return done
+
+    def _earlier_checksum(self) -> str | None:
+        """The algorithm of the first complete record in checksums.jsonl (None: no record)."""
+        f = self.root / "checksums.jsonl"
+        if f.exists():
+            with open(f, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    return next((k for k in CHECKSUMS if k in rec), "none")
+        return None
 
     def _checksums(self) -> dict[int, dict]:
         out: dict[int, dict] = {}
@@ -254,7 +275,7 @@ class OutputDir:
             if not p.exists():
                 continue
             rec = sums.get(i)
-            algo = self.checksum
+            algo = self.checksum or DEFAULT_CHECKSUM
             if rec is None or rec.get("bytes") != p.stat().st_size or (algo != "none" and not rec.get(algo)):
                 rec = {"index": i, "file": name, "bytes": p.stat().st_size,
                        "tokens": rec.get("tokens") if rec else None}
@@ -263,7 +284,7 @@ class OutputDir:
             rec = {k: v for k, v in rec.items() if k not in CHECKSUMS or k == algo}
             files.append(rec)
         manifest = dict(extra)
-        manifest.update({"format": self.fmt, "checksum": self.checksum, "num_files": len(files),
+        manifest.update({"format": self.fmt, "checksum": self.checksum or DEFAULT_CHECKSUM, "num_files": len(files),
                          "total_bytes": sum(f["bytes"] for f in files),
                          "total_tokens": sum(f["tokens"] or 0 for f in files), "files": files})
         atomic_write(self.root / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -275,7 +296,7 @@ class _ChecksumLog:
     Not locked: callers serialise ``add``."""
 
     def __init__(self, out: OutputDir):
-        self.fmt, self.checksum = out.fmt, out.checksum
+        self.fmt, self.checksum = out.fmt, out.checksum or DEFAULT_CHECKSUM
         self.f = open(out.root / "checksums.jsonl", "a", encoding="utf-8")
         self.written = 0
 
@@ -359,7 +380,7 @@ class BackgroundWriter:
     def _write_one(self, item: tuple[int, dict]) -> None:
         index, sample = item
         digest, nbytes = write_sample(self.out.root / file_name(index, self.out.fmt), sample, self.out.fmt,
-                                      self.out.checksum)
+                                      self._sums.checksum)
         with self._lock:
             self._sums.add(index, digest, nbytes, int(sample["input_ids"].numel()))
 
@@ -768,13 +789,13 @@ class ProcessWriter:
                 self._local.submit(self._write_local, index, sample)
                 self.on_threads += 1
         for k, entries in tasks.items():  # one message per process and batch
-            procs[k].send((str(self.out.root), self.out.fmt, self.out.checksum, entries))
+            procs[k].send((str(self.out.root), self.out.fmt, self._sums.checksum, entries))
             self.in_processes += len(entries)
 
     def _write_local(self, index: int, sample: dict) -> None:
         try:
             digest, nbytes = write_sample(self.out.root / file_name(index, self.out.fmt), sample, self.out.fmt,
-                                          self.out.checksum)
+                                          self._sums.checksum)
             self._done(index, digest, nbytes, int(sample["input_ids"].numel()))
         except BaseException as e:
             self._fail(e)
