@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--zero-copy", default="1", help="e.g. '1,0': lend arena rows (1) or copy them out (0)")
     ap.add_argument("--driver-waits", default=None, help="e.g. 'block,spin': how the driver waits for its "
                     "workers (default: SPECULATORS_COMPAT_DRIVER_WAIT, else spin)")
+    ap.add_argument("--announce", default=None, help="e.g. 'wait,ahead': how each batch is announced to the "
+                    "workers (default: SPECULATORS_COMPAT_ANNOUNCE, else wait)")
     ap.add_argument("--switch-intervals", default="default", help="GPU: e.g. 'default,0.0005': the driver's "
                     "sys.setswitchinterval (how long a thread that wants the GIL waits for a spinning one)")
     ap.add_argument("--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)")
@@ -179,16 +181,22 @@ def main(argv=None) -> int:
     hes = [int(x) for x in a.handoff_early.split(",")]
     cks = a.checksums.split(",")
 
+    pipeline_tag: dict[str, str] = {}  # pipeline row -> the engine variant's tag (its generate() row's)
+
     def time_pipelines(gen, tag):  # every pipeline variant asked for, once each
         for wt, wm, ra, nice, he, ck in itertools.product(wts, wms, ras, nices, hes, cks):
             name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
                     + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else "")
                     + (f"[he{he}]" if len(hes) > 1 else "") + (f"[{ck}]" if len(cks) > 1 else ""))
+            pipeline_tag[name] = tag
             rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, bool(he), ck))
 
     from speculators_compat.engine.driver_wait import driver_wait_from_env
 
     waits = a.driver_waits.split(",") if a.driver_waits else [driver_wait_from_env()]
+    from speculators_compat.engine.core import announce_from_env
+
+    announces = a.announce.split(",") if a.announce else [announce_from_env()]
     default_switch = sys.getswitchinterval()
     switches = [None if x == "default" else float(x) for x in a.switch_intervals.split(",")]
     if cuda:  # both engines alive; alternate call by call
@@ -200,18 +208,20 @@ def main(argv=None) -> int:
         allocs = a.host_allocs.split(",")
         threads = [int(x) for x in a.copy_threads.split(",")]
         zeros = [int(x) for x in a.zero_copy.split(",")]
-        variants = [(h, n, z, dw, si) for h in allocs for n in threads for z in zeros for dw in waits for si in switches]
+        variants = list(itertools.product(allocs, threads, zeros, waits, switches, announces))
         for _ in range(a.reps):
             rec("raw", _timed(raw))
-            for h, n, z, dw, si in variants:
+            for h, n, z, dw, si, an in variants:
                 sys.setswitchinterval(si or default_switch)
                 gen.engine.set_host_alloc(h)
                 gen.engine.set_copy_threads(n)
                 gen.engine.set_zero_copy(bool(z))
                 gen.engine.set_driver_wait(dw)
+                gen.engine.set_announce(an)
                 tag = ((f"[{h}]" if len(allocs) > 1 else "") + (f"[t{n}]" if len(threads) > 1 else "")
                        + (f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else "")
-                       + (f"[si{si or 'default'}]" if len(switches) > 1 else ""))
+                       + (f"[si{si or 'default'}]" if len(switches) > 1 else "")
+                       + (f"[{an}]" if len(announces) > 1 else ""))
                 for m in copy_modes:
                     if m != gen.engine.opts.copy_mode:  # a switch rebuilds the worker's arena:
                         gen.engine.set_copy_mode(m)     # that first call is set-up, not throughput
@@ -237,10 +247,12 @@ def main(argv=None) -> int:
                 pipeline_fn(gen, wts[0], wm)()
             zeros = [int(x) for x in a.zero_copy.split(",")]
             for _ in range(a.reps):
-                for z, dw in [(z, dw) for z in zeros for dw in waits]:
+                for z, dw, an in itertools.product(zeros, waits, announces):
                     gen.engine.set_zero_copy(bool(z))
                     gen.engine.set_driver_wait(dw)
-                    tag = (f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else "")
+                    gen.engine.set_announce(an)
+                    tag = ((f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else "")
+                           + (f"[{an}]" if len(announces) > 1 else ""))
                     rec_run(gen, "generate[cpu]" + tag, lambda: _timed(ours))
                     time_pipelines(gen, tag)
             gen.close()
@@ -280,8 +292,7 @@ def main(argv=None) -> int:
     for gen_key in [k for k in rows if k.startswith("generate")]:
         ratios[f"{gen_key}/raw"] = rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"]
         tag = gen_key[gen_key.index("]") + 1:]  # the variant tags after the copy mode
-        for pk in [k for k in rows if k.startswith("pipeline" + tag) and all(
-                   t.startswith(("w", "thread", "process", "auto", "ra", "n")) for t in k[len("pipeline" + tag):].strip("[]").split("][") if t)]:
+        for pk in [k for k in rows if pipeline_tag.get(k) == tag]:
             ratios[f"{pk}/{gen_key}"] = rows[pk]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     gen_key = next(k for k in rows if k.startswith("generate"))
     if "generate[sync]" in rows and "generate[pinned]" in rows:

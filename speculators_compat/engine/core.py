@@ -454,6 +454,21 @@ def _pin_v1_runner() -> None:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
+ANNOUNCE_ENV = "SPECULATORS_COMPAT_ANNOUNCE"
+ANNOUNCE_CHOICES = ("wait", "ahead")
+
+
+def announce_from_env() -> str:
+    """How each batch is announced to the workers before its first step (env
+    SPECULATORS_COMPAT_ANNOUNCE): ``wait`` for the workers' reply, or send it ``ahead`` with the
+    steps that follow (vLLM 0.12+, whose executor delivers replies in call order; the reply,
+    and any error in it, is taken after the batch's steps)."""
+    raw = os.environ.get(ANNOUNCE_ENV, "").strip() or "wait"
+    if raw not in ANNOUNCE_CHOICES:
+        raise ValueError(f"{ANNOUNCE_ENV} must be one of {', '.join(ANNOUNCE_CHOICES)}, not {raw!r}")
+    return raw
+
+
 class ExtractionEngine:
     """Owns one vLLM EngineCore with our capture extension."""
 
@@ -475,6 +490,7 @@ class ExtractionEngine:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = opts.worker_start_method
         self._reader = _ArenaReader()  # reads its settings from the environment: fail before starting
         wait_mode = driver_wait_from_env()
+        announce = announce_from_env()
         from .worker import KEEP_S_ENV, _Arena, _env_seconds
 
         _env_seconds(KEEP_S_ENV, _Arena.KEEP_S)  # (the workers read it too)
@@ -496,6 +512,11 @@ class ExtractionEngine:
         # Does collective_rpc(unique_reply_rank=0) hand back the value (0.12+) or a 1-list (0.11)?
         # Probe the behaviour instead of trusting a version number.
         self._rpc_takes_rank = "unique_reply_rank" in _params(self.executor.collective_rpc)
+        # Can a call be sent without waiting, its reply taken in order by the next call? (0.12+:
+        # a queue of pending replies that every later call drains first; 0.11 needs a thread pool)
+        self._can_announce_ahead = ("non_block" in _params(self.executor.collective_rpc)
+                                    and hasattr(getattr(self.executor, "futures_queue", None), "pop"))
+        self.announce = self.set_announce(announce)
         probe = self._rpc_rank0_raw("compat_ping")
         self._rpc_unwrap = isinstance(probe, list)
         infos = self.executor.collective_rpc("compat_capture_setup",
@@ -551,7 +572,12 @@ class ExtractionEngine:
         ids = [f"sc-{self._uid}-{self._calls}-{i}" for i in range(len(prompts))]
         busy = self._reader.busy(self._worker_slabs)
         self.timings["busy_s"] += time.perf_counter() - t_prep
-        self.executor.collective_rpc("compat_capture_expect", args=({r: len(p) for r, p in zip(ids, prompts)}, busy))
+        expect = ({r: len(p) for r, p in zip(ids, prompts)}, busy)
+        ahead = None
+        if self.announce == "ahead":  # the reply comes back in order, before the first step's
+            ahead = self.executor.collective_rpc("compat_capture_expect", args=expect, non_block=True)
+        else:
+            self.executor.collective_rpc("compat_capture_expect", args=expect)
         self.timings["expect_s"] += time.perf_counter() - t_prep
         try:
             for rid, p in zip(ids, prompts):
@@ -562,6 +588,8 @@ class ExtractionEngine:
                 on_submitted()
                 t0 = time.perf_counter()
             self._drive()
+            if ahead is not None:
+                ahead.result()  # a worker that failed to take the batch (no room for it) raises here
             t1 = time.perf_counter()
             taken = self._rpc_rank0("compat_capture_take", ids)
             taken["states"] = self._copy_out(taken)
@@ -668,6 +696,19 @@ class ExtractionEngine:
         (engine/driver_wait.py). Returns how each reply queue waits now."""
         self.driver_wait = set_driver_wait(self.executor, mode, self._wait_saved)
         return self.driver_wait
+
+    def set_announce(self, mode: str) -> str:
+        """``wait`` or ``ahead`` (see announce_from_env); returns the mode now in force: ``ahead``
+        falls back to ``wait``, with a warning, where the executor cannot send it ahead."""
+        if mode not in ANNOUNCE_CHOICES:
+            raise ValueError(f"announce must be one of {', '.join(ANNOUNCE_CHOICES)}, not {mode!r}")
+        if mode == "ahead" and not self._can_announce_ahead:
+            logger.warning("speculators_compat: announcing batches ahead needs vLLM 0.12+'s ordered "
+                           "replies (%s has none); waiting for each announcement instead",
+                           type(self.executor).__name__)
+            mode = "wait"
+        self.announce = mode
+        return mode
 
     def set_copy_threads(self, n: int) -> None:
         """Threads that copy states out of the arena in the driver (benchmarks; default: auto)."""

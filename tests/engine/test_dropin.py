@@ -387,3 +387,38 @@ def test_driver_waits_for_replies_without_spinning(gen):
     assert spun > 0.4, f"baseline: vLLM's own wait should spin (driver CPU {spun:.3f} s over 0.6 s)"
     # (each 50 us sleep costs a wake-up: ~0.1 s of CPU over the call was seen on 2 cores)
     assert blocked < min(0.25, spun / 2), f"driver used {blocked:.3f} s of CPU waiting 0.6 s (spinning: {spun:.3f})"
+
+
+def test_announcing_ahead_gives_the_same_states_and_surfaces_its_failure(gen, llama_path, hf_ref, vllm_version,
+                                                                         monkeypatch):
+    """SPECULATORS_COMPAT_ANNOUNCE=ahead sends each batch's announcement without waiting for the
+    reply. The states must match HF and be bit-identical to waiting (13 prompts, chunked and
+    reordered), and a worker that fails to take the announcement must fail that call with the
+    worker's own error (not a later 'not captured'), leaving the engine usable. vLLM 0.11 has no
+    ordered replies: there the setting falls back to waiting."""
+    eng = gen.engine
+    if vllm_version < Version("0.12"):
+        assert eng.set_announce("ahead") == "wait"
+        return
+    prompts = models.random_prompts([700, 5, 130, 37, 1500, 17, 64, 8, 256, 50, 99, 10, 11], seed=77)
+    assert eng.announce == "wait"
+    waited = [[h.clone() for h in r["hidden_states"]] for r in check(gen, llama_path, prompts, hf_ref)]
+    assert eng.set_announce("ahead") == "ahead"
+    try:
+        ahead = check(gen, llama_path, prompts, hf_ref)
+        assert all(torch_equal(a, b) for r, w in zip(ahead, waited) for a, b in zip(r["hidden_states"], w))
+        del ahead
+        # a real failure inside the worker's announcement: a busy list it cannot use
+        monkeypatch.setattr(eng._reader, "busy", lambda slabs=None: [["not", "hashable"]])
+        with pytest.raises(RuntimeError, match="unhashable"):
+            gen.generate(prompts[:3])
+        monkeypatch.undo()
+        check(gen, llama_path, prompts, hf_ref)
+    finally:
+        eng.set_announce("wait")
+
+
+def torch_equal(a, b):
+    import torch
+
+    return torch.equal(a, b)
