@@ -66,8 +66,6 @@ def main(argv=None) -> int:
                     "on a thread (1, its default) or in line (0)")
     ap.add_argument("--writer-nice", default=None, help="e.g. '0,idle': the writer processes' priority "
                     "(SPECULATORS_COMPAT_WRITER_NICE: a niceness increment or idle)")
-    ap.add_argument("--handoff-early", default="0", help="e.g. '0,1': the pipeline hands a batch to its writers "
-                    "right after its engine call (0) or during the next call, once that is announced (1)")
     ap.add_argument("--checksums", default="crc32", help="e.g. 'crc32,sha256': the pipeline's file checksum "
                     "(crc32 is the pipeline's default)")
     ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
@@ -122,7 +120,7 @@ def main(argv=None) -> int:
 
     breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
 
-    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, he=False, ck="crc32"):
+    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, ck="crc32"):
         if nice is not None:  # read when the writer processes start (a change restarts them)
             os.environ["SPECULATORS_COMPAT_WRITER_NICE"] = nice
         if wm == "process" or (wm == "auto" and cuda):  # a new pool size restarts the processes:
@@ -134,7 +132,7 @@ def main(argv=None) -> int:
             out = tempfile.mkdtemp(prefix="out-", dir=tmp)
             t = time.perf_counter()
             s = run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False, writer_threads=wt,
-                            writer=wm, read_ahead=ra, handoff_early=he, checksum=ck)
+                            writer=wm, read_ahead=ra, checksum=ck)
             total = time.perf_counter() - t
             shutil.rmtree(out)
             if name:
@@ -178,18 +176,17 @@ def main(argv=None) -> int:
     wms = a.writer_modes.split(",")
     ras = [int(x) for x in a.read_ahead.split(",")]
     nices = a.writer_nice.split(",") if a.writer_nice else [None]
-    hes = [int(x) for x in a.handoff_early.split(",")]
     cks = a.checksums.split(",")
 
     pipeline_tag: dict[str, str] = {}  # pipeline row -> the engine variant's tag (its generate() row's)
 
     def time_pipelines(gen, tag):  # every pipeline variant asked for, once each
-        for wt, wm, ra, nice, he, ck in itertools.product(wts, wms, ras, nices, hes, cks):
+        for wt, wm, ra, nice, ck in itertools.product(wts, wms, ras, nices, cks):
             name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
                     + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else "")
-                    + (f"[he{he}]" if len(hes) > 1 else "") + (f"[{ck}]" if len(cks) > 1 else ""))
+                    + (f"[{ck}]" if len(cks) > 1 else ""))
             pipeline_tag[name] = tag
-            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, bool(he), ck))
+            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, ck))
 
     from speculators_compat.engine.driver_wait import driver_wait_from_env
 

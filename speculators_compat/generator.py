@@ -204,14 +204,11 @@ class VllmHiddenStatesGenerator:
         ``hidden_states`` (one [len, hidden] tensor per layer id, in ``layer_ids`` order) and
         ``loss_mask`` (None). Sequences longer than ``max_model_len - 1`` are truncated (upstream's
         behaviour; a warning names them) or rejected with ``on_overlength="error"``."""
-        return self._generate(token_ids)
+        import torch
 
-    def _generate(self, token_ids, on_submitted=None) -> list[dict]:
-        """generate(), with ``on_submitted`` run between announcing the batch and its first step
-        (the extract pipeline hands the previous batch to its writers there)."""
         seqs = to_token_lists(token_ids)
         seqs = self._fit(seqs)
-        states = self._engine.run(seqs, on_submitted)
+        states = self._engine.run(seqs)
         results = []
         # NaN/Inf rows are detected on the device by the capture (CaptureError names the prompt)
         for ids, layers in zip(seqs, states):

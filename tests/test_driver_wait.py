@@ -32,14 +32,14 @@ def test_unknown_executor_is_reported_not_silent(caplog):
 
 @pytest.mark.parametrize("bad", ["yes", "async", "WAIT"])
 def test_announce_setting_is_checked(monkeypatch, bad):
-    """SPECULATORS_COMPAT_ANNOUNCE: unset means wait; a bad value is refused, naming the variable,
+    """SPECULATORS_COMPAT_ANNOUNCE: unset means ahead; a bad value is refused, naming the variable,
     before any engine starts (the engine reads it first thing)."""
     from speculators_compat.engine.core import ANNOUNCE_ENV, announce_from_env
 
     monkeypatch.delenv(ANNOUNCE_ENV, raising=False)
-    assert announce_from_env() == "wait"
-    monkeypatch.setenv(ANNOUNCE_ENV, "ahead")
     assert announce_from_env() == "ahead"
+    monkeypatch.setenv(ANNOUNCE_ENV, "wait")
+    assert announce_from_env() == "wait"
     monkeypatch.setenv(ANNOUNCE_ENV, bad)
     with pytest.raises(ValueError, match=f"{ANNOUNCE_ENV} must be one of wait, ahead, not '{bad}'"):
         announce_from_env()

@@ -136,7 +136,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
                 queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
                 layer_id_convention: str = "upstream", writer: str = "auto", read_ahead: bool = True,
-                handoff_early: bool = False, checksum: str | None = None, **gen_kwargs) -> dict[str, Any]:
+                checksum: str | None = None, **gen_kwargs) -> dict[str, Any]:
     model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
@@ -192,21 +192,6 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                  "truncated": [], "skipped_overlength": []}
         n_seen = 0
         generate_s = put_s = read_s = 0.0
-        # handoff_early: a batch's files go to the writer during the next engine call, once that
-        # batch is announced to the workers (right before its first step), instead of right after
-        # the call that computed them: the writers' start then overlaps the engine's steps rather
-        # than the announcement round trip (on the H200 that round trip was ~5 ms a batch slower
-        # while the writers started; docs/gpu-results.md section 9)
-        pending: list = []
-
-        def hand_off() -> None:
-            nonlocal put_s
-            if pending:
-                items, pending[:] = list(pending), []
-                t = time.perf_counter()
-                writer.put(items)
-                put_s += time.perf_counter() - t
-
         batches = _Prefetch(_batches(samples, batch_size)) if read_ahead else _Inline(_batches(samples, batch_size))
         try:
             while True:
@@ -218,7 +203,6 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 n_seen += len(batch)
                 todo = [s for s in batch if s.index not in done]
                 if not todo:
-                    hand_off()
                     stats["skipped_done"] += len(batch)
                     bar.update(len(batch))
                     continue
@@ -238,15 +222,11 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                     masks.append(m)
                     keep.append(s)
                 if not keep:
-                    hand_off()
                     bar.update(len(batch))
                     continue
-                t_gen, put_before = time.perf_counter(), put_s
-                if handoff_early:
-                    results = generator._generate(ids, on_submitted=hand_off)
-                else:
-                    results = generator.generate(ids)
-                generate_s += time.perf_counter() - t_gen - (put_s - put_before)
+                t_gen = time.perf_counter()
+                results = generator.generate(ids)
+                generate_s += time.perf_counter() - t_gen
                 items = []
                 for s, r, m in zip(keep, results, masks):
                     if s.index in done:
@@ -259,19 +239,16 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 stats["computed"] += len(keep)
                 stats["written_new"] += len(items)
                 stats["skipped_done"] += len(batch) - len(todo)
-                pending.extend(items)
-                if not handoff_early:
-                    hand_off()
+                t_put = time.perf_counter()
+                writer.put(items)
+                put_s += time.perf_counter() - t_put
                 bar.update(len(batch))
                 bar.set_postfix_str(f"{stats['tokens'] / max(time.time() - t_compute, 1e-9):,.0f} tok/s", refresh=False)
-            hand_off()
             stats["samples_seen"] = n_seen
         finally:
             batches.close()
             bar.close()
             try:
-                if pending and writer.error is None:  # a later batch failed: what was computed is kept
-                    hand_off()
                 writer.close()
             except Exception as e:  # don't mask the original error; report the writer's own failure
                 if sys.exc_info()[0] is None:

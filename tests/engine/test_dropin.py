@@ -391,19 +391,22 @@ def test_driver_waits_for_replies_without_spinning(gen):
 
 def test_announcing_ahead_gives_the_same_states_and_surfaces_its_failure(gen, llama_path, hf_ref, vllm_version,
                                                                          monkeypatch):
-    """SPECULATORS_COMPAT_ANNOUNCE=ahead sends each batch's announcement without waiting for the
-    reply. The states must match HF and be bit-identical to waiting (13 prompts, chunked and
-    reordered), and a worker that fails to take the announcement must fail that call with the
-    worker's own error (not a later 'not captured'), leaving the engine usable. vLLM 0.11 has no
-    ordered replies: there the setting falls back to waiting."""
+    """Announcing ahead (the default from vLLM 0.12) sends each batch's announcement without
+    waiting for the reply. The states must match HF and be bit-identical to waiting (13 prompts,
+    chunked and reordered), and a worker that fails to take the announcement must fail that call
+    with the worker's own error (not a later 'not captured'), leaving the engine usable. vLLM 0.11
+    has no ordered replies: there the default is to wait."""
     eng = gen.engine
     if vllm_version < Version("0.12"):
-        assert eng.set_announce("ahead") == "wait"
+        assert eng.announce == "wait" and eng.set_announce("ahead") == "wait"
         return
+    assert eng.announce == "ahead"  # the default
     prompts = models.random_prompts([700, 5, 130, 37, 1500, 17, 64, 8, 256, 50, 99, 10, 11], seed=77)
-    assert eng.announce == "wait"
-    waited = [[h.clone() for h in r["hidden_states"]] for r in check(gen, llama_path, prompts, hf_ref)]
-    assert eng.set_announce("ahead") == "ahead"
+    eng.set_announce("wait")
+    try:
+        waited = [[h.clone() for h in r["hidden_states"]] for r in check(gen, llama_path, prompts, hf_ref)]
+    finally:
+        eng.set_announce("ahead")
     try:
         ahead = check(gen, llama_path, prompts, hf_ref)
         assert all(torch_equal(a, b) for r, w in zip(ahead, waited) for a, b in zip(r["hidden_states"], w))
@@ -415,7 +418,7 @@ def test_announcing_ahead_gives_the_same_states_and_surfaces_its_failure(gen, ll
         monkeypatch.undo()
         check(gen, llama_path, prompts, hf_ref)
     finally:
-        eng.set_announce("wait")
+        eng.set_announce("ahead")
 
 
 def torch_equal(a, b):

@@ -107,30 +107,6 @@ def test_process_writer_gives_the_same_dataset(gen, llama_path, tmp_path, fmt):
     assert gen.engine._reader.busy() == []
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
-def test_early_handoff_gives_the_same_dataset_and_keeps_computed_batches(gen, llama_path, tmp_path, writer):
-    """handoff_early: each batch reaches the writer during the next batch's engine call. Same bytes
-    as handing it over at once; a batch with a fully-done or skipped neighbour is not held back;
-    and when a later batch fails before its engine call, the batch computed before it is still
-    written (nothing computed is lost)."""
-    from speculators_compat.pipeline.dataset import DatasetError
-
-    make_jsonl(tmp_path / "in.jsonl", seed=5)
-    now, early, part = tmp_path / "now", tmp_path / "early", tmp_path / "part"
-    kw = dict(batch_size=4, generator=gen, progress=False, writer=writer, writer_threads=2)
-    run_extract(llama_path, str(tmp_path / "in.jsonl"), str(now), **kw)
-    s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(early), handoff_early=True, **kw)
-    assert s["new_files"] == len(LENGTHS)  # (the 2100-token sample is truncated)
-    assert read_dir(early) == read_dir(now)
-    # batches [0-3] [4-7] [8-11] [12-13]: sample 12 (2100 tokens) stops the run at the fourth,
-    # while the third is still waiting for its hand-off
-    with pytest.raises(DatasetError, match="sample 12"):
-        run_extract(llama_path, str(tmp_path / "in.jsonl"), str(part), handoff_early=True,
-                    on_overlength="error", **kw)
-    assert sorted(int(p.stem.split("_")[1]) for p in part.glob("data_*.pt")) == list(range(12))
-    assert gen.engine._reader.busy() == []
-
-
 def test_safetensors_output(gen, llama_path, tmp_path):
     from safetensors.torch import load_file
 
