@@ -494,9 +494,9 @@ class ExtractionEngine:
         self._reader = _ArenaReader()  # reads its settings from the environment: fail before starting
         wait_mode = driver_wait_from_env()
         announce = announce_from_env()
-        from .worker import KEEP_S_ENV, _Arena, _env_seconds
+        from .worker import arena_keep_s
 
-        _env_seconds(KEEP_S_ENV, _Arena.KEEP_S)  # (the workers read it too)
+        arena_keep_s()  # a bad setting fails here, not in a worker (they read it too)
         executor_class = Executor.get_class(self.vllm_config)
         self._worker_failed = False
         self.core = EngineCore(self.vllm_config, executor_class, log_stats=False,

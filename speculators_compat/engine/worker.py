@@ -86,6 +86,12 @@ def _layer_output(output: Any) -> torch.Tensor:
 KEEP_S_ENV = "SPECULATORS_COMPAT_ARENA_KEEP_S"
 
 
+def arena_keep_s() -> float:
+    """SPECULATORS_COMPAT_ARENA_KEEP_S (see _Arena.KEEP_S); a bad value is a ValueError that names
+    it (the engine checks it in the driver before any worker starts)."""
+    return _env_seconds(KEEP_S_ENV, _Arena.KEEP_S)
+
+
 def _env_seconds(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -134,7 +140,7 @@ class _Arena:
         self.used = 0
         self._n = 0
         self._in_use: deque = deque(maxlen=4096)  # (monotonic time, slabs in use) of recent batches
-        self.keep_s = _env_seconds(KEEP_S_ENV, self.KEEP_S)
+        self.keep_s = arena_keep_s()
 
     @property
     def capacity(self) -> int:

@@ -313,8 +313,9 @@ class _ChecksumLog:
 
 
 def default_writer_threads() -> int:
-    """Half the CPUs, 2..8 (1 on one CPU). Each thread streams torch.save through sha256, ~0.6-1
-    GiB/s a thread; an H200 host's generate() outruns 4 of them (docs/gpu-results.md)."""
+    """Half the CPUs, 2..8 (1 on one CPU). Each thread streams torch.save through the file's
+    checksum (with sha256 ~0.6-1 GiB/s a thread); an H200 host's generate() outruns 4 of them
+    (docs/gpu-results.md)."""
     from ..engine.core import usable_cpus
 
     cpus = usable_cpus()
