@@ -46,17 +46,6 @@ def choose_writer(mode: str, generator) -> str:
 logger = logging.getLogger("speculators_compat.pipeline")
 
 
-def _releasing(samples: Iterable[Sample]) -> Iterator[Sample]:
-    """``samples``, letting go of the GIL after each one. The read-ahead thread parses the next
-    batch while the driver thread prepares, announces and drives the current one; a thread that
-    wants the GIL back from a busy one waits up to the interpreter's switch interval (5 ms), and
-    the driver wants it back each time it wakes to check on the workers. Letting go after each
-    sample bounds that wait by one sample's parse (benchmarks/read_ahead.py measures it)."""
-    for s in samples:
-        yield s
-        time.sleep(0)
-
-
 def _batches(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
     it = iter(samples)
     while True:
@@ -203,8 +192,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                  "truncated": [], "skipped_overlength": []}
         n_seen = 0
         generate_s = put_s = read_s = 0.0
-        batches = (_Prefetch(_batches(_releasing(samples), batch_size)) if read_ahead
-                   else _Inline(_batches(samples, batch_size)))
+        batches = _Prefetch(_batches(samples, batch_size)) if read_ahead else _Inline(_batches(samples, batch_size))
         try:
             while True:
                 t_read = time.perf_counter()
