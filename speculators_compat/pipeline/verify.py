@@ -8,12 +8,9 @@ list lacks are reported too. Reads each file once, in 8 MiB pieces; no torch nee
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-from .writer import CHECKSUMS, file_digest
-
-_DATA_RE = re.compile(r"^data_(\d+)\.(pt|safetensors)$")
+from .writer import CHECKSUMS, DATA_FILE_RE, OutputDir, file_digest
 
 
 def verify_output(root: str | Path) -> dict:
@@ -24,15 +21,9 @@ def verify_output(root: str | Path) -> dict:
     manifest = root / "manifest.json"
     if manifest.exists():
         source, records = "manifest.json", json.loads(manifest.read_text())["files"]
-    elif (root / "checksums.jsonl").exists():
-        source, by_index = "checksums.jsonl", {}
-        for line in (root / "checksums.jsonl").read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from a crash; that file shows up as unlisted below
-            by_index[rec["index"]] = rec
-        records = [by_index[i] for i in sorted(by_index)]
+    elif (root / "checksums.jsonl").exists():  # (a torn last line: that file shows up as unlisted)
+        by_index = OutputDir(root).checksum_records()
+        source, records = "checksums.jsonl", [by_index[i] for i in sorted(by_index)]
     else:
         raise FileNotFoundError(f"{root} has neither manifest.json nor checksums.jsonl: not an extract output")
     problems = []
@@ -52,7 +43,7 @@ def verify_output(root: str | Path) -> dict:
         if algo is not None and file_digest(p, algo) != rec[algo]:
             problems.append(f"{name}: {algo} differs from the listed {rec[algo]} (the file changed or is corrupt)")
     for p in sorted(root.iterdir()):
-        if _DATA_RE.match(p.name) and p.name not in listed:
+        if DATA_FILE_RE.match(p.name) and p.name not in listed:
             problems.append(f"{p.name}: on disk but not listed in {source}")
     return {"source": source, "checked": len(records), "problems": problems, "ok": not problems}
 

@@ -11,8 +11,8 @@
 The checksum is ``crc32`` (zlib's CRC-32, as zip and gzip use; the default), ``sha256`` or ``none``;
 each record names its algorithm by its key (``"crc32": 8 hex digits`` or ``"sha256": hex``). The
 default is crc32 because it was measured: sha256 needs ~3x the CPU, and on an H200 host the
-pipeline kept 0.86-0.89 of generate() with it against 0.89-0.90 with crc32 (docs/gpu-results.md
-section 10). A rerun into an existing output keeps the algorithm it finds there unless told
+pipeline kept 0.861-0.886 of generate() with it against 0.888-0.903 with crc32 in the same three
+runs (docs/gpu-results.md section 10). A rerun into an existing output keeps the algorithm it finds there unless told
 otherwise (the manifest then rehashes the earlier files, so it never mixes algorithms).
 
 Every data file is written to a temp name (``.data_{i}.pt.partial``: not ``*pt``, so the trainer never
@@ -37,7 +37,7 @@ from typing import Any
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
-_DATA_RE = re.compile(r"^data_(\d+)\.(pt|safetensors)$")
+DATA_FILE_RE = re.compile(r"^data_(\d+)\.(pt|safetensors)$")
 
 
 class OutputError(RuntimeError):
@@ -88,7 +88,7 @@ def new_digest(name: str, data=b""):
         return _Crc32(data)
     if name == "none":
         return _NoDigest()
-    check_checksum(name)
+    raise ValueError(f"checksum must be one of {', '.join(CHECKSUMS)}, not {name!r}")
 
 
 def file_digest(path: Path, name: str) -> str | None:
@@ -234,7 +234,7 @@ class OutputDir:
             p.unlink()
         done = set()
         for p in self.root.iterdir():
-            m = _DATA_RE.match(p.name)
+            m = DATA_FILE_RE.match(p.name)
             if m and m.group(2) == self.fmt:
                 done.add(int(m.group(1)))
         return done
@@ -252,7 +252,8 @@ class OutputDir:
                     return next((k for k in CHECKSUMS if k in rec), "none")
         return None
 
-    def _checksums(self) -> dict[int, dict]:
+    def checksum_records(self) -> dict[int, dict]:
+        """index -> the checksums.jsonl record of each finished file (a torn line is skipped)."""
         out: dict[int, dict] = {}
         f = self.root / "checksums.jsonl"
         if f.exists():
@@ -260,14 +261,14 @@ class OutputDir:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a torn last line from a crash: that file gets rehashed below
+                    continue  # a torn last line from a crash (finalize rehashes that file)
                 out[rec["index"]] = rec
         return out
 
     def finalize(self, n_samples: int, extra: dict) -> dict:
         """Write manifest.json over every complete file (rehashing any missing checksum, e.g. of
         files an earlier run wrote with another algorithm)."""
-        sums = self._checksums()
+        sums = self.checksum_records()
         files = []
         for i in range(n_samples):
             name = file_name(i, self.fmt)
