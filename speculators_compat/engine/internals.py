@@ -19,6 +19,11 @@ INTERNALS = [
     ("Executor.collective_rpc(method, args=, unique_reply_rank=)",
      "call our worker extension; rank 0's reply (list in 0.11, value from 0.12: probed at start-up)",
      "0.11-0.32 (UniProcExecutor lacks unique_reply_rank in 0.12-0.17: probed)", "medium"),
+    ("MultiprocExecutor.collective_rpc(..., non_block=True) + executor.futures_queue",
+     "announce each batch without waiting; the reply (and any error) is taken after its steps, in call order "
+     "(SPECULATORS_COMPAT_ANNOUNCE=ahead, the default)",
+     "0.12-0.32 (0.11 answers non_block through a thread pool: probed, falls back to waiting)",
+     "medium: relies on later calls draining earlier replies in order; `wait` restores the plain call"),
     ("vllm.v1.request.Request(...)", "one max_tokens=1 request per prompt (signature-aware builder)",
      "0.11-0.32 (eos_token_id gone in 0.17)", "medium: see patch vllm_request"),
     ("ParallelConfig.worker_extension_cls", "mix our CaptureExtension into every worker", "0.11-0.32", "low"),
