@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--driver-waits", default=None, help="e.g. 'block,spin': how the driver waits for its "
                     "workers (default: SPECULATORS_COMPAT_DRIVER_WAIT, else spin)")
     ap.add_argument("--announce", default=None, help="e.g. 'wait,ahead': how each batch is announced to the "
-                    "workers (default: SPECULATORS_COMPAT_ANNOUNCE, else wait)")
+                    "workers (default: SPECULATORS_COMPAT_ANNOUNCE, else ahead)")
     ap.add_argument("--switch-intervals", default="default", help="GPU: e.g. 'default,0.0005': the driver's "
                     "sys.setswitchinterval (how long a thread that wants the GIL waits for a spinning one)")
     ap.add_argument("--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from .writer import CHECKSUMS
+
 
 def _layer_ids(s: str) -> list[int]:
     try:
@@ -55,7 +57,7 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
                    help="files written in parallel: threads (default half the CPUs, 2..8) or "
                         "processes (default on a GPU host: CPUs - 1 - tensor-parallel size, 2..16; "
                         "elsewhere half the CPUs, 2..16)")
-    p.add_argument("--checksum", choices=("crc32", "sha256", "none"), default=None,
+    p.add_argument("--checksum", choices=CHECKSUMS, default=None,
                    help="each file's checksum in checksums.jsonl and manifest.json (default: what an earlier "
                         "run into --output used, else crc32: zlib's CRC-32, ~3x less CPU than sha256)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")

@@ -82,13 +82,11 @@ def check_checksum(name: str | None) -> str | None:
 
 def new_digest(name: str, data=b""):
     """A running checksum of ``name`` (see CHECKSUMS) over ``data`` so far."""
+    if name not in CHECKSUMS:
+        check_checksum(name)  # raises, naming the choices
     if name == "sha256":
         return hashlib.sha256(data)
-    if name == "crc32":
-        return _Crc32(data)
-    if name == "none":
-        return _NoDigest()
-    raise ValueError(f"checksum must be one of {', '.join(CHECKSUMS)}, not {name!r}")
+    return _Crc32(data) if name == "crc32" else _NoDigest()
 
 
 def file_digest(path: Path, name: str) -> str | None:
@@ -228,7 +226,9 @@ class OutputDir:
         else:
             atomic_write(run_file, json.dumps(run_info, indent=2, sort_keys=True).encode())
         if self.checksum is None:
-            self.checksum = self._earlier_checksum() or DEFAULT_CHECKSUM
+            earlier = next(iter(self.checksum_records().values()), None)  # an earlier run's choice
+            self.checksum = (next((k for k in CHECKSUMS if k in earlier), "none") if earlier
+                             else DEFAULT_CHECKSUM)
         for p in self.root.glob(".data_*.partial"):
             logger.info("removing partial file %s from an interrupted run", p.name)
             p.unlink()
@@ -238,19 +238,6 @@ class OutputDir:
             if m and m.group(2) == self.fmt:
                 done.add(int(m.group(1)))
         return done
-
-    def _earlier_checksum(self) -> str | None:
-        """The algorithm of the first complete record in checksums.jsonl (None: no record)."""
-        f = self.root / "checksums.jsonl"
-        if f.exists():
-            with open(f, encoding="utf-8") as fh:
-                for line in fh:
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    return next((k for k in CHECKSUMS if k in rec), "none")
-        return None
 
     def checksum_records(self) -> dict[int, dict]:
         """index -> the checksums.jsonl record of each finished file (a torn line is skipped)."""
