@@ -393,14 +393,15 @@ def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows):
 
 
 def test_default_writer_processes_leave_the_engine_its_cores(mocker):
-    """GPU hosts: one CPU for the driver and one per engine worker stay free, the rest write
-    (2..16); CPU hosts: half. The GPU branch needs a CUDA device, so the device count is mocked
+    """GPU hosts: one CPU for the driver, one spare and one per engine worker stay free, the rest
+    write (2..16); CPU hosts: half. The GPU branch needs a CUDA device, so the device count is mocked
     here (the seam a CPU machine cannot reach); the CPU count is mocked to make cases."""
     from speculators_compat.engine import core
     from speculators_compat import generator
     from speculators_compat.pipeline.writer import default_writer_processes
 
-    cases = {(16, 1, True): 14, (16, 8, True): 7, (192, 8, True): 16, (4, 2, True): 2,
+    cases = {(16, 1, True): 13, (16, 8, True): 6, (192, 8, True): 16, (4, 2, True): 2, (26, 8, True): 16,
+             (25, 8, True): 15,
              (2, None, False): 2, (16, None, False): 8, (64, 8, False): 16}
     for (cpus, tp, gpu), want in cases.items():
         mocker.patch.object(core, "usable_cpus", return_value=cpus)
@@ -568,3 +569,13 @@ def test_verify_finds_every_kind_of_damage(tmp_path, checksum, capsys):
     assert "data_0.pt" not in text and "data_4.pt" not in text
     assert main(["verify", str(tmp_path / "nope")]) == 2  # a clear error, not a traceback
     assert "no output directory" in capsys.readouterr().err
+
+
+def test_a_non_utf8_line_is_named(tmp_path):
+    """The JSONL is decoded line by line: a bad byte names its line (not the read block's first)."""
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"input_ids": [1]}\n{"input_ids": [2]}\n{"input_ids": [3], "x": "\xff"}\n')
+    it = open_dataset(f)
+    assert [next(it).input_ids, next(it).input_ids] == [[1], [2]]  # what precedes it is read
+    with pytest.raises(DatasetError, match=r"d.jsonl:3: not UTF-8 text \(invalid start byte at column 26\)"):
+        next(it)

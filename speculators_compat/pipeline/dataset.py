@@ -52,9 +52,14 @@ def _validate(where: str, obj) -> tuple[list[int], list[int] | None]:
 
 
 def iter_jsonl(path: Path) -> Iterator[Sample]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # decoded line by line, so a bad byte is named by its line
         index = 0
-        for lineno, line in enumerate(f, 1):
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at column {e.start + 1}): "
+                                   "the input must be UTF-8 JSON lines") from None
             if not line.strip():
                 continue
             try:

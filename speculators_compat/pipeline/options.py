@@ -55,7 +55,7 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
                    help="write files on threads or in processes (auto: processes on a GPU host)")
     p.add_argument("--writer-threads", type=_positive_int, default=None,
                    help="files written in parallel: threads (default half the CPUs, 2..8) or "
-                        "processes (default on a GPU host: CPUs - 1 - tensor-parallel size, 2..16; "
+                        "processes (default on a GPU host: CPUs - 2 - tensor-parallel size, 2..16; "
                         "elsewhere half the CPUs, 2..16)")
     p.add_argument("--checksum", choices=CHECKSUMS, default=None,
                    help="each file's checksum in checksums.jsonl and manifest.json (default: what an earlier "

@@ -419,18 +419,20 @@ def _writer_nice() -> int | str:
 
 
 def default_writer_processes(gpu_workers: int | None = None) -> int:
-    """On a GPU host, every CPU but one for the driver and one per engine worker (both spin while
-    the GPUs work), 2..16: with 14 processes on a 16-core H200 host the last batch's files were
-    written in 0.08 s against 0.11-0.19 s with 8, and the pipeline was as fast or faster (0.85
-    against 0.75 of generate() in one run; docs/gpu-results.md section 8). ``gpu_workers`` is the
-    engine's tensor-parallel size (default 1). Elsewhere half the CPUs, 2..16: a CPU engine needs
-    its cores."""
+    """On a GPU host, every CPU but two (the driver, and one spare for the read-ahead thread, the
+    kernel's writeback and whatever else the host runs) and one per engine worker (the driver and
+    the workers spin while the GPUs work), 2..16. On the 16-core H200 host (TP 1) that is 13:
+    with 13 the pipeline reached 0.934 and 0.908 of ``generate()`` over 40 batches against 0.897
+    with 14 in the same run, whose last files took as long (0.078 against 0.076 s); 4 and 8 were
+    far too few (docs/gpu-results.md sections 8, 9 and 11). ``gpu_workers`` is the engine's
+    tensor-parallel size (default 1). Elsewhere half the CPUs, 2..16: a CPU engine needs its
+    cores."""
     from ..engine.core import usable_cpus
     from ..generator import cuda_device_count
 
     cpus = usable_cpus()
     if cuda_device_count() > 0:
-        return max(2, min(16, cpus - 1 - (gpu_workers or 1)))
+        return max(2, min(16, cpus - 2 - (gpu_workers or 1)))
     return max(2, min(16, cpus // 2))
 
 
