@@ -508,6 +508,17 @@ def test_unknown_checksum_is_refused_before_anything_starts(tmp_path):
         build_parser().parse_args(["extract", "--model", "m", "--input", "i", "--output", "o", "--checksum", "md5"])
 
 
+@pytest.mark.parametrize("name", ["md5", None])
+def test_a_digest_needs_a_chosen_algorithm(name):
+    """None means "choose later" only before the run; a digest asked for None is a bug and must
+    not silently become no checksum."""
+    from speculators_compat.pipeline.writer import new_digest
+
+    with pytest.raises(ValueError, match=f"checksum must be one of crc32, sha256, none, not {name!r}"):
+        new_digest(name)
+    assert new_digest("none").hexdigest() is None and len(new_digest("crc32", b"x").hexdigest()) == 8
+
+
 def test_a_rerun_keeps_the_checksum_it_finds_unless_told(tmp_path):
     """No --checksum: a new output gets crc32; a rerun into an output made with sha256 keeps sha256
     (no rehash of a large dataset because a default changed)."""

@@ -73,17 +73,17 @@ class _NoDigest:
         return None
 
 
-def check_checksum(name: str | None) -> str | None:
-    """``name`` if it is a known checksum (None: choose later, see OutputDir); else ValueError."""
-    if name is not None and name not in CHECKSUMS:
+def check_checksum(name: str | None, allow_none: bool = True) -> str | None:
+    """``name`` if it is a known checksum (None, where ``allow_none``: choose later, see
+    OutputDir); else ValueError naming the choices."""
+    if name not in CHECKSUMS and not (allow_none and name is None):
         raise ValueError(f"checksum must be one of {', '.join(CHECKSUMS)}, not {name!r}")
     return name
 
 
 def new_digest(name: str, data=b""):
     """A running checksum of ``name`` (see CHECKSUMS) over ``data`` so far."""
-    if name not in CHECKSUMS:
-        check_checksum(name)  # raises, naming the choices
+    check_checksum(name, allow_none=False)  # by now the algorithm is chosen: None is a bug, not "none"
     if name == "sha256":
         return hashlib.sha256(data)
     return _Crc32(data) if name == "crc32" else _NoDigest()
