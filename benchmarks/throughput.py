@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                 parts = {k: s[k] for k in ("generate_s", "read_s", "handoff_s", "writer_wait_s", "writer_tail_s")}
                 breakdown.setdefault(name, []).append(
                     {"total_s": round(total, 3), **parts, "other_s": round(total - sum(parts.values()), 3),
-                     "writer": s["writer"]})
+                     "writer": s["writer"], "write_mib_per_s": s["write_mib_per_s"], "write_bound": s["write_bound"]})
             return total
         return run
 

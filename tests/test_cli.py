@@ -40,6 +40,7 @@ def test_plan_kimi_k25_on_8_gpus():
     assert 1.00e12 < p["params_total"] < 1.06e12
     assert 585e9 < p["weight_bytes_total"] < 605e9
     assert p["hidden_bytes_per_token"] == 57344 and p["layer_ids"] == [2, 30, 58, 60]
+    assert p["disk_bytes_per_token"] == 57344 + 16  # + int64 input_ids and loss_mask
     assert p["kv_bytes_per_token_per_gpu"] == (512 + 64) * 61 * 2  # MLA latent, replicated per rank
     assert p["weight_bytes_per_gpu"] < 141 * 2**30 * 0.8
     assert abs(p["dataset"]["hidden_state_bytes"] - 100000 * 4096 * 57344) < 1

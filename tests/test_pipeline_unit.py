@@ -234,7 +234,9 @@ def test_process_writer_writes_the_bytes_the_thread_writer_writes(tmp_path, fmt)
     assert bw.in_processes == len(items) and bw.on_threads == 0
     assert len(got["thread"][0]) == len(items)
     assert got["process"][:2] == got["thread"][:2]
-    del items, got, bw
+    for files, _, writer in got.values():  # both count the bytes they wrote (the run's write rate)
+        assert writer.bytes_written == sum(len(b) for b in files.values()) > 0
+    del items, got, bw, writer
     import gc
 
     gc.collect()

@@ -38,6 +38,7 @@ class Plan:
     tokens_per_step: int
     capture_bytes_per_step: int
     hidden_bytes_per_token: int
+    disk_bytes_per_token: int  # hidden states + int64 input_ids and loss_mask: what the disk absorbs
     gpu_memory_bytes: int
     kv_cache_bytes_per_gpu: int
     kv_cache_tokens: int
@@ -180,8 +181,8 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
     ds = None
     if total_tokens is None and num_samples and avg_tokens:
         total_tokens = int(num_samples * avg_tokens)
+    per_token_disk = hidden_per_token + 8 + 8  # + int64 input_ids and loss_mask
     if total_tokens:
-        per_token_disk = hidden_per_token + 8 + 8  # + int64 input_ids and loss_mask
         ds = {"samples": num_samples, "tokens": total_tokens,
               "hidden_state_bytes": total_tokens * hidden_per_token,
               "disk_bytes": total_tokens * per_token_disk + (num_samples or 0) * 1500}
@@ -190,7 +191,8 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
                 params_quantized=int(quant), weight_bytes_total=int(wbytes_total),
                 weight_bytes_per_gpu=int(wbytes_gpu), kv_bytes_per_token_per_gpu=int(kv),
                 tokens_per_step=mnbt, capture_bytes_per_step=int(capture_step),
-                hidden_bytes_per_token=hidden_per_token, gpu_memory_bytes=gpu_bytes,
+                hidden_bytes_per_token=hidden_per_token, disk_bytes_per_token=per_token_disk,
+                gpu_memory_bytes=gpu_bytes,
                 kv_cache_bytes_per_gpu=max(kv_budget, 0), kv_cache_tokens=max(kv_budget, 0) // max(kv, 1),
                 notes=notes, dataset=ds)
 
@@ -221,7 +223,9 @@ def format_plan(p: Plan) -> str:
              f"  per step: {p.tokens_per_step:,} tokens; capture buffers {gib(p.capture_bytes_per_step)} on GPU "
              f"(+ the same pinned on the host)",
              f"  hidden states: {p.hidden_bytes_per_token:,} B per token ({len(p.layer_ids)} layers x "
-             f"{p.hidden_size} x 2 B)"]
+             f"{p.hidden_size} x 2 B)",
+             f"  output disk: {p.disk_bytes_per_token * 1000 / 1e6:,.1f} MB/s for each 1,000 tokens/s extracted "
+             f"(the pipeline goes no faster than its output disk writes)"]
     if p.dataset:
         d = p.dataset
         lines.append(f"  dataset: {d['samples'] or '?'} samples, {d['tokens']:,} tokens -> hidden states "

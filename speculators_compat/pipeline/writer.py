@@ -287,6 +287,7 @@ class _ChecksumLog:
         self.fmt, self.checksum = out.fmt, out.checksum or DEFAULT_CHECKSUM
         self.f = open(out.root / "checksums.jsonl", "a", encoding="utf-8")
         self.written = 0
+        self.bytes = 0  # of the files this run wrote
 
     def add(self, index: int, digest: str | None, nbytes: int, tokens: int) -> None:
         rec = {"index": index, "file": file_name(index, self.fmt), "bytes": nbytes, "tokens": tokens}
@@ -295,6 +296,7 @@ class _ChecksumLog:
         self.f.write(json.dumps(rec) + "\n")
         self.f.flush()
         self.written += 1
+        self.bytes += nbytes
 
     def close(self) -> None:
         self.f.close()
@@ -365,6 +367,10 @@ class BackgroundWriter:
     @property
     def written(self) -> int:
         return self._sums.written
+
+    @property
+    def bytes_written(self) -> int:
+        return self._sums.bytes
 
     def _write_one(self, item: tuple[int, dict]) -> None:
         index, sample = item
@@ -796,6 +802,11 @@ class ProcessWriter:
     def written(self) -> int:
         self._poll(0)
         return self._sums.written
+
+    @property
+    def bytes_written(self) -> int:
+        self._poll(0)
+        return self._sums.bytes
 
     def _done(self, index: int, digest: str, nbytes: int, tokens: int) -> None:
         with self._cv:

@@ -136,6 +136,36 @@ def test_bad_pipeline_inputs(gen, llama_path, tmp_path):
     assert s["skipped_overlength"] == 1 and not (tmp_path / "o3" / "data_12.pt").exists()
 
 
+def test_a_run_bound_by_its_disk_says_so(gen, llama_path, tmp_path, monkeypatch, caplog):
+    """A disk slower than the engine is a seam no CPU test machine reaches on demand, so a sleep
+    in front of each file's real write stands in for it (the engine, the files and the queue are
+    real). The run must say it was write-bound and report what it wrote; a run on this machine's
+    own disk with tiny files must not."""
+    import logging
+
+    from speculators_compat.pipeline import writer as w
+
+    make_jsonl(tmp_path / "in.jsonl", lengths=[16] * 12, seed=4)
+    kw = dict(batch_size=2, generator=gen, progress=False, writer="thread", writer_threads=1, queue_size=1)
+    fast = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "fast"), **kw)
+    assert fast["write_bound"] is False and fast["writer_wait_s"] < 1.0
+    real = w.write_sample
+
+    def slow_disk(*a, **k):
+        time.sleep(0.25)
+        return real(*a, **k)
+
+    monkeypatch.setattr(w, "write_sample", slow_disk)
+    with caplog.at_level(logging.WARNING, logger="speculators_compat.pipeline"):
+        s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "slow"), **kw)
+    assert s["write_bound"] is True and s["writer_wait_s"] >= 1.0
+    assert "bound by writing its output" in caplog.text and str(tmp_path / "slow") in caplog.text
+    files = list((tmp_path / "slow").glob("data_*.pt"))
+    assert len(files) == 12 and s["bytes_written"] == sum(f.stat().st_size for f in files)
+    assert 0 < s["write_mib_per_s"] < s["bytes_written"] / 2**20 / 2.5  # 12 files at >= 0.25 s each
+    assert read_dir(tmp_path / "slow") == read_dir(tmp_path / "fast")  # slow, but the same data
+
+
 def _worker_pids(pid: int) -> list[int]:
     import psutil
 
