@@ -14,7 +14,10 @@ What each setting is for:
     capture buffer is 0.45 GiB per step;
   * gpu_memory_utilization=0.85 leaves room for the vision tower's profiling pass;
   * VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1200: cold INT4 MoE kernels can stall the first step;
-  * enable_expert_parallel: optional (--ep); plain TP is the tested path.
+  * enable_expert_parallel: optional (--ep); plain TP is the tested path;
+  * --output on a disk that keeps up: 57.4 MB/s for each 1,000 tokens/s extracted (`plan` prints
+    it). Over long runs that disk, not the GPUs, can set the pace (on the H200 test host: 1.2 GiB/s
+    against 4.4 GiB/s of states from a 1.1B model); a run that waited on its writers says so.
 Resumable: rerun the same command after any interruption.
 
 It needs the GPUs; everything around it runs on the built-in tiny models on CPU:
