@@ -255,7 +255,8 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                     raise
                 logger.error("writer failed while handling another error: %s", e)
         write_s = time.time() - t_compute  # from the first batch to the last file written
-        write_bound = _warn_if_write_bound(writer, write_s, out.root)
+        write_mib_s = writer.bytes_written / 2**20 / max(write_s, 1e-9)
+        write_bound = _warn_if_write_bound(writer.wait_s, write_s, write_mib_s, out.root)
         manifest = out.finalize(n_seen, extra={
             "model": run_info["model"], "layer_ids": run_info["layer_ids"], "num_samples": n_seen,
             "truncated": stats["truncated"], "skipped_overlength": stats["skipped_overlength"],
@@ -276,7 +277,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                    "writer_tail_s": round(writer.tail_s, 3),
                    # what this run wrote, and how fast (over the whole compute phase)
                    "bytes_written": writer.bytes_written,
-                   "write_mib_per_s": round(writer.bytes_written / 2**20 / max(write_s, 1e-9), 1),
+                   "write_mib_per_s": round(write_mib_s, 1),
                    "write_bound": write_bound}
         if writer_mode == "process":
             summary["files_by_writer_processes"] = writer.in_processes
@@ -292,19 +293,18 @@ WRITE_BOUND_SHARE = 0.1  # of the compute phase spent waiting for the writers ..
 WRITE_BOUND_MIN_S = 1.0  # ... and at least this long: then the run is said to be write-bound
 
 
-def _warn_if_write_bound(writer, write_s: float, root) -> bool:
+def _warn_if_write_bound(wait_s: float, write_s: float, write_mib_s: float, root) -> bool:
     """Say so (a warning) when the engine spent a real share of the run waiting for room in the
     writers' queue: the output disk, not the engine, then sets the pace. On the H200 host the
     pipeline kept 0.896 of generate() over 64 batches written to tmpfs, and 0.738 written to its
     disk, which sustains ~1.2 GiB/s against the 4.4 GiB/s of hidden states produced
     (docs/gpu-results.md section 12): nothing in the pipeline can go faster than the disk."""
-    if writer.wait_s < max(WRITE_BOUND_MIN_S, WRITE_BOUND_SHARE * write_s):
+    if wait_s < max(WRITE_BOUND_MIN_S, WRITE_BOUND_SHARE * write_s):
         return False
-    rate = writer.bytes_written / 2**20 / max(write_s, 1e-9)
     logger.warning("the engine waited %.1f s of %.1f s (%.0f%%) for the file writers, which wrote %.0f MiB/s to "
                    "%s: this run is bound by writing its output. A faster output disk would speed it up, or "
                    "more writers (--writer-threads) if that disk is not busy.",
-                   writer.wait_s, write_s, 100 * writer.wait_s / max(write_s, 1e-9), rate, root)
+                   wait_s, write_s, 100 * wait_s / max(write_s, 1e-9), write_mib_s, root)
     return True
 
 
