@@ -136,10 +136,13 @@ def main(argv=None) -> int:
             total = time.perf_counter() - t
             shutil.rmtree(out)
             if name:
-                parts = {k: s[k] for k in ("generate_s", "read_s", "handoff_s", "writer_wait_s", "writer_tail_s")}
+                parts = {k: s[k] for k in ("generate_s", "read_s", "handoff_s", "writer_wait_s", "writer_tail_s",
+                                           "writer_start_s")}
                 breakdown.setdefault(name, []).append(
                     {"total_s": round(total, 3), **parts, "other_s": round(total - sum(parts.values()), 3),
-                     "writer": s["writer"], "write_mib_per_s": s["write_mib_per_s"], "write_bound": s["write_bound"]})
+                     "writer": s["writer"], "write_mib_per_s": s["write_mib_per_s"], "write_bound": s["write_bound"],
+                     # files written in writer processes (the rest: rows split over engine steps, in the driver)
+                     "files_by_writer_processes": s.get("files_by_writer_processes"), "files": s["files"]})
             return total
         return run
 

@@ -6,12 +6,63 @@ generator, on real CUDA vLLM, against HF transformers (float32) on the same GPU.
   2. drop-in generator, ~1.1B Llama-shaped model in bf16, async `keep` (vLLM auto-enables it on GPU),
      max_num_batched_tokens 2048 so long prompts are chunked.
 Cases: 13 mixed prompts (5..700 tokens), prompts sharing a 300-token prefix, the same batch twice,
-11 x 900 tokens (two steps / chunked prefill). Writes result.json into the given directory.
+11 x 900 tokens (two steps / chunked prefill).
+  3. the extract pipeline on that engine with the GPU defaults (writer processes reading the rows the
+     engine lends out of its page-locked arena, filled by device-to-host copies on a side stream):
+     96 samples of 5..2,000 tokens in batches of 16, every file read back and compared with HF, and
+     its input_ids and loss_mask with the input. A row written before its copy landed, or from the
+     wrong slab or offset, fails here; the CPU tests cannot reach that path (no DMA on CPU).
+Writes result.json into the given directory.
 """
 import json
 import os
 import sys
 import time
+
+
+def pipeline_files_vs_hf(gen, path, layers, work, device="cuda", n=96, batch=16, vocab=1024) -> dict:
+    """Run the extract pipeline over ``n`` mixed-length samples with ``gen`` and compare every file
+    it wrote with the HF reference (per sample, per layer) and with its input."""
+    import shutil
+
+    import torch
+
+    from speculators_compat.pipeline.extract import run_extract
+    from speculators_compat.pipeline.verify import verify_output
+    from speculators_compat.testing import models, reference
+
+    lengths = [(37 * i * i + 5) % 2000 + 5 for i in range(n)]  # 5..2004: some span several steps
+    prompts = [[t % vocab for t in p] for p in models.random_prompts(lengths, seed=21)]
+    masks = [[(j + i) % 3 != 0 for j in range(len(p))] if i % 2 else None for i, p in enumerate(prompts)]
+    os.makedirs(work, exist_ok=True)
+    jsonl, outdir = os.path.join(work, "in.jsonl"), os.path.join(work, "out")
+    shutil.rmtree(outdir, ignore_errors=True)
+    with open(jsonl, "w") as f:
+        for p, m in zip(prompts, masks):
+            f.write(json.dumps({"input_ids": p, **({"loss_mask": [int(x) for x in m]} if m else {})}) + "\n")
+    t = time.time()
+    s = run_extract(path, jsonl, outdir, batch_size=batch, generator=gen, progress=False)
+    info = {"samples": n, "tokens": sum(lengths), "seconds": round(time.time() - t, 2), "writer": s["writer"],
+            "files_by_writer_processes": s.get("files_by_writer_processes"), "files": s["files"]}
+    refs = reference.HFReference(path, layers, device=device)
+    tol = None
+    bad_ids, mismatches, worst = [], [], 0.0
+    for i, (p, m) in enumerate(zip(prompts, masks)):
+        d = torch.load(os.path.join(outdir, f"data_{i}.pt"), weights_only=True)
+        want_mask = [int(x) for x in m] if m else [1] * len(p)
+        if d["input_ids"].tolist() != p or d["loss_mask"].tolist() != want_mask:
+            bad_ids.append(i)
+        tol = tol or reference.tolerance_for(d["hidden_states"][0].dtype)
+        w, bad = reference.compare([d["hidden_states"]], [p], refs, tol)
+        worst = max(worst, w)
+        mismatches += [dict(vars(b), seq=i) for b in bad]
+    del refs
+    info.update({"tolerance": tol, "worst_rel": worst, "ids_or_mask_wrong": bad_ids[:5],
+                 "mismatches": mismatches[:5], "verify": verify_output(outdir)})
+    info["ok"] = (not bad_ids and not mismatches and s["files"] == n
+                  and info["verify"].get("ok", False))
+    shutil.rmtree(outdir, ignore_errors=True)
+    return info
 
 
 def main() -> int:
@@ -66,8 +117,14 @@ def main() -> int:
     with VllmHiddenStatesGenerator(big, max_model_len=4096, dtype="bfloat16", gpu_memory_utilization=0.4,
                                    max_num_batched_tokens=2048, async_scheduling="keep") as g:
         run("drop-in llama-1b bf16 async=keep", g, big, g.layer_ids, vocab=32000)
+        work = os.path.join(os.environ.get("TMPDIR", "/tmp"), "gpu-check-pipeline")
+        p = pipeline_files_vs_hf(g, big, g.layer_ids, work)
+        p["ok"] = p["ok"] and p["writer"] == "process" and (p["files_by_writer_processes"] or 0) > 0
+        print("pipeline files vs HF", json.dumps(p, default=str), flush=True)
+        report["pipeline"] = p
     report["status"] = speculators_compat.status()
-    report["all_ok"] = all(c["ok"] for r in report["runs"] for c in r["cases"].values())
+    report["all_ok"] = (all(c["ok"] for r in report["runs"] for c in r["cases"].values())
+                        and report["pipeline"]["ok"])
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     print("ALL OK" if report["all_ok"] else "MISMATCHES", flush=True)

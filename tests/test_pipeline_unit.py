@@ -592,3 +592,38 @@ def test_a_non_utf8_line_is_named(tmp_path):
     assert [next(it).input_ids, next(it).input_ids] == [[1], [2]]  # what precedes it is read
     with pytest.raises(DatasetError, match=r"d.jsonl:3: not UTF-8 text \(invalid start byte at column 26\)"):
         next(it)
+
+
+def test_waiting_for_writer_processes_to_start_is_not_counted_as_a_slow_disk(tmp_path):
+    """A fresh writer process spends 1-3 s importing torch before it reads a task. A run that
+    fills its queue meanwhile waits for the start-up, not for the disk: that time goes to
+    start_wait_s, and wait_s (what the write-bound warning reads) holds only the rest. Before,
+    all of it was wait_s, and a short run on a GPU host with a new pool warned that its disk
+    was slow (seen on the H200: "waited 2.8 s of 4.8 s", writing to a disk that keeps 1.2 GiB/s)."""
+    import time
+
+    from speculators_compat.pipeline import writer as w
+
+    arena, reader, items = _lent_samples(tmp_path)
+    w.shutdown_writer_pool()  # a pool whose process has not started yet
+    out = OutputDir(tmp_path / "o")
+    out.prepare({"m": 1})
+    t = time.perf_counter()
+    bw = w.ProcessWriter(out, reader.describe, queue_size=1, processes=1)
+    for item in items[:4]:  # one sample a batch; the third put waits (2 batches in flight at most)
+        bw.put([item])
+    bw.close()
+    took = time.perf_counter() - t
+    assert (tmp_path / "o" / "data_3.pt").exists()
+    assert bw.start_wait_s > 0.2, (bw.start_wait_s, bw.wait_s, bw.tail_s)  # torch import: >0.2 s anywhere
+    assert bw.wait_s + bw.tail_s < 0.5 * bw.start_wait_s, (bw.start_wait_s, bw.wait_s, bw.tail_s)
+    assert bw.start_wait_s + bw.wait_s + bw.tail_s <= took
+    # the same pool again: it has started, nothing is start-up
+    out2 = OutputDir(tmp_path / "o2")
+    out2.prepare({"m": 1})
+    bw2 = w.ProcessWriter(out2, reader.describe, queue_size=1, processes=1)
+    for item in items[:4]:
+        bw2.put([item])
+    bw2.close()
+    assert bw2.start_wait_s == 0.0 and (tmp_path / "o2" / "data_3.pt").exists()
+    arena.close()

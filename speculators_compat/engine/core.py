@@ -165,10 +165,12 @@ class _ArenaReader:
     one layer of one sample writes just that). Two ways to get there:
 
     * lending (``SPECULATORS_COMPAT_ZERO_COPY=1``, the default): a (request, layer) whose rows
-      are one block in the arena (a prompt prefilled in one step) becomes a tensor over the
-      driver's mapping of that block, no copy. Its arena file is then *busy*: the worker is told
-      so with every batch and never refills it until every tensor over it is gone (counted with
-      a finaliser on each lent buffer). Rows split over several steps are copied (joined).
+      are one block in the arena (every prompt: the worker gives each one a region of its own,
+      also when the scheduler splits it over steps) becomes a tensor over the driver's mapping
+      of that block, no copy. Its arena file is then *busy*: the worker is told so with every
+      batch and never refills it until every tensor over it is gone (counted with a finaliser on
+      each lent buffer). Rows in several blocks (a step that fell back to a block of its own)
+      are copied (joined).
     * copying (``=0``): every tensor is a fresh copy and the worker refills one arena each batch.
 
     Where copies live (``SPECULATORS_COMPAT_HOST_ALLOC``): fresh pages cost a page fault each,

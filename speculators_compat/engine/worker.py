@@ -17,11 +17,16 @@ captured exactly once.
 
 Where the rows go: the hooks write each step's kept rows straight into a host arena slab (a file
 in /dev/shm the driver maps; on a GPU it is registered as pinned memory, so the device->host copy
-is one asynchronous DMA). ``take`` copies nothing: it hands back (file, offset, rows) for each
-segment. The driver lends single-block rows to its caller as tensors over its mapping (no copy)
-and copies the rest; every batch it tells the worker which slabs still hold lent rows, and a new
-batch is written only into a slab that holds none (or a new one). Free slabs are reused, so in a
-loop that drops each batch's results the arena stays at a few batches' states.
+is an asynchronous DMA). When a batch is announced, each request gets its own region of the slab
+per captured layer, sized to its prompt, in announcement order, and every step's rows land at
+their positions in it: a prompt that the scheduler splits over several steps still ends up as one
+block, and requests scheduled in announcement order make one run (one DMA) per layer and step.
+``take`` copies nothing: it hands back (file, offset, rows) blocks, adjacent ones merged. The
+driver lends single-block rows to its caller as tensors over its mapping (no copy) and copies the
+rest (rows that fell back to per-step blocks); every batch it tells the worker which slabs still
+hold lent rows, and a new batch is written only into a slab that holds none (or a new one). Free
+slabs are reused, so in a loop that drops each batch's results the arena stays at a few batches'
+states.
 
 Capture happens on tensor-parallel rank 0 only (after the row-parallel all-reduce every rank holds
 the full hidden state, so one copy is enough); other ranks install nothing.
@@ -292,6 +297,8 @@ class _CaptureState:
     t_take: float = 0.0  # seconds assembling and handing off in take()
     t_expect: float = 0.0  # seconds in compat_capture_expect (readying the arena for a batch)
     nonfinite: list = field(default_factory=list)  # device flags: did a step's layer hold NaN/Inf?
+    regions: dict = field(default_factory=dict)  # req_id -> {layer id: (buffer, byte offset)} of its prompt
+    region_row_bytes: int = 0  # the row size those regions were sized with
 
 
 def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy_mode: str | None = None,
@@ -442,10 +449,8 @@ def _make_distribute(st: _CaptureState):
             st.all_rows.append([st.rows[lid] for lid in sorted(set(st.layer_ids))])
         elif st.plan is not None:
             _, kept = st.plan
-            es = st.dtype.itemsize
-            row_bytes = st.hidden * es
-            for rid, start, n, row in kept:
-                layers = [(st.rows[lid][0], st.rows[lid][1] + row * row_bytes, n) for lid in st.layer_ids]
+            for i, (rid, start, n, _row) in enumerate(kept):
+                layers = [(*st.rows[lid][i], n) for lid in st.layer_ids]  # where _store_rows put them
                 st.segments.setdefault(rid, []).append(_Segment(start, layers))
                 st.tokens += n
         st.rows = {}
@@ -481,6 +486,7 @@ def _take(st, req_ids, want_data):
     states, errors = {}, {}
     for rid in req_ids:
         plen = st.expected.pop(rid, None)
+        st.regions.pop(rid, None)
         segs = sorted(st.segments.pop(rid, []), key=lambda s: s.start)
         if not want_data:
             continue
@@ -507,14 +513,26 @@ def _take(st, req_ids, want_data):
             if bad:
                 errors[rid] = f"NaN/Inf hidden states in layer(s) {bad}"
                 continue
+        row_bytes = st.hidden * st.dtype.itemsize
+        blocks = [_merge_adjacent([s.layers[j] for s in segs], row_bytes) for j in range(len(st.layer_ids))]
         if arena.prefix is not None:
-            states[rid] = [[(arena.path(b), o, n) for b, o, n in (s.layers[j] for s in segs)]
-                           for j in range(len(st.layer_ids))]
+            states[rid] = [[(arena.path(b), o, n) for b, o, n in layer] for layer in blocks]
         else:
-            states[rid] = [_gather(arena, [s.layers[j] for s in segs], st.hidden, st.dtype)
-                           for j in range(len(st.layer_ids))]
+            states[rid] = [_gather(arena, layer, st.hidden, st.dtype) for layer in blocks]
     return {"states": states, "errors": errors, "rank_captures": True, "slabs": arena.paths(),
             "hidden": st.hidden, "dtype": str(st.dtype).replace("torch.", "")}
+
+
+def _merge_adjacent(blocks: list, row_bytes: int) -> list:
+    """(buffer, offset, rows) blocks in position order, each run of blocks that lie back to back
+    in one buffer merged into one block (the same bytes, in the same order)."""
+    out = []
+    for b, o, n in blocks:
+        if out and out[-1][0] == b and out[-1][1] + out[-1][2] * row_bytes == o:
+            out[-1] = (b, out[-1][1], out[-1][2] + n)
+        else:
+            out.append((b, o, n))
+    return out
 
 
 def _gather(arena, blocks, hidden, dtype) -> torch.Tensor:
@@ -564,10 +582,18 @@ class CaptureExtension:
             # kept rows + per-block alignment for up to one block per (request, layer, step)
             need = len(st.layer_ids) * (rows * st.hidden * es + SHM_ALIGN * (len(expected) + 8))
         # before accepting the batch: a failure (no room) leaves no trace
-        if not st.segments:  # every earlier batch was taken: start a new one in a free slab
+        if not st.segments and not st.regions:  # every earlier batch was taken: a new one in a free slab
             st.arena.prepare(need, busy)
         else:
             st.arena.reserve(need)
+        if need and not st.record_all:
+            # each request's rows per layer: one region in announcement order, layer by layer, so
+            # requests that run in that order are adjacent (rows of 64-byte multiples: no padding)
+            st.region_row_bytes = row_bytes = st.hidden * st.dtype.itemsize
+            for lid in sorted(set(st.layer_ids)):
+                for rid, plen in expected.items():
+                    if rid not in st.expected and plen > 0:
+                        st.regions.setdefault(rid, {})[lid] = st.arena.alloc(plen * row_bytes)
         st.expected.update(expected)
         st.t_expect += time.perf_counter() - t0
 
@@ -579,6 +605,7 @@ class CaptureExtension:
         if st is not None:
             st.expected.clear()
             st.segments.clear()
+            st.regions.clear()
             st.all_rows = []
 
     def compat_capture_stats(self) -> dict:
@@ -602,7 +629,7 @@ def _make_layer_hook(st: _CaptureState, lid: int, distribute):
         if st.record_all:
             st.rows[lid] = _record_rows(st, output)
         elif st.plan is not None:
-            st.rows[lid] = _store_rows(st, output)
+            st.rows[lid] = _store_rows(st, output, lid)
         if len(st.rows) == n_layers or (st.plan is None and not st.record_all):  # step done, or nothing to keep
             distribute()
         st.t_hooks += time.perf_counter() - t0
@@ -611,8 +638,13 @@ def _make_layer_hook(st: _CaptureState, lid: int, distribute):
     return hook
 
 
-def _store_rows(st: _CaptureState, output: Any) -> tuple[int, int]:
-    """Write this forward's kept rows of one layer into the arena; returns (buffer, offset)."""
+def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int]]:
+    """Write this forward's kept rows of layer ``lid`` into the arena; returns (buffer, byte
+    offset) for each kept entry of the plan, in its order.
+
+    Rows go to their requests' regions (one copy per run of entries adjacent both in the step and
+    in the arena); a step with an entry that has none (its rows' size differs from the one the
+    regions were sized with, or no region was made) goes into one fresh block, as one copy."""
     source, kept = st.plan
     rows = kept[-1][3] + kept[-1][2]
     if isinstance(output, tuple):
@@ -625,15 +657,30 @@ def _store_rows(st: _CaptureState, output: Any) -> tuple[int, int]:
     h = pick(hidden.detach())
     if st.dtype is None or h.shape[-1] != st.hidden or h.dtype != st.dtype:  # first capture defines them
         st.hidden, st.dtype = int(h.shape[-1]), h.dtype
-    b, off = st.arena.alloc(rows * st.hidden * h.element_size())
-    dst = st.arena.view(b, off, rows, st.hidden, st.dtype)
+    row_bytes = st.hidden * h.element_size()
+    places = [st.regions.get(rid, {}).get(lid) for rid, _, _, _ in kept]
+    if row_bytes == st.region_row_bytes and all(p is not None for p in places):
+        dests = [(b, off + start * row_bytes) for (b, off), (_, start, _, _) in zip(places, kept)]
+    else:
+        b, off = st.arena.alloc(rows * row_bytes)
+        dests = [(b, off + row * row_bytes) for _, _, _, row in kept]
+    runs = []  # [buffer, byte offset, first source row, rows]: entries contiguous in both
+    for (b, off), (_, _, n, row) in zip(dests, kept):
+        last = runs[-1] if runs else None
+        if last and last[0] == b and last[1] + last[3] * row_bytes == off and last[2] + last[3] == row:
+            last[3] += n
+        else:
+            runs.append([b, off, row, n])
     if h.device.type == "cpu":
         # one pass: the residual stream (hidden + residual) lands in the arena directly
-        if residual is not None:
-            torch.add(h, pick(residual.detach()), out=dst)
-        else:
-            dst.copy_(h)
-        st.nonfinite.append(_nonfinite_flag(dst))
+        res = pick(residual.detach()) if residual is not None else None
+        for b, off, row, n in runs:
+            dst = st.arena.view(b, off, n, st.hidden, st.dtype)
+            if res is not None:
+                torch.add(h[row:row + n], res[row:row + n], out=dst)
+            else:
+                dst.copy_(h[row:row + n])
+            st.nonfinite.append(_nonfinite_flag(dst))
     else:
         if residual is not None:
             val = h + pick(residual.detach())
@@ -643,11 +690,13 @@ def _store_rows(st: _CaptureState, output: Any) -> tuple[int, int]:
             val = h  # index_select made it
         # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
         st.nonfinite.append(_nonfinite_flag(val))
-        if st.arena.pinned(b):  # pinned (page-locked) arena: an asynchronous DMA
-            _copy_on_side_stream(st, dst, val)
-        else:
-            dst.copy_(val)
-    return b, off
+        for b, off, row, n in runs:
+            dst = st.arena.view(b, off, n, st.hidden, st.dtype)
+            if st.arena.pinned(b):  # pinned (page-locked) arena: an asynchronous DMA
+                _copy_on_side_stream(st, dst, val[row:row + n])
+            else:
+                dst.copy_(val[row:row + n])
+    return dests
 
 
 def _copy_on_side_stream(st: _CaptureState, dst: torch.Tensor, val: torch.Tensor) -> None:

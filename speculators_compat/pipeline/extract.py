@@ -273,8 +273,10 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                    # where the time went (s): engine calls, reading input, handing batches to the
                    # writer, waiting for it while batches were in flight, and for the last writes
                    "generate_s": round(generate_s, 3), "read_s": round(read_s, 3),
-                   "handoff_s": round(put_s - writer.wait_s, 3), "writer_wait_s": round(writer.wait_s, 3),
-                   "writer_tail_s": round(writer.tail_s, 3),
+                   "handoff_s": round(put_s - writer.wait_s - writer.start_wait_s, 3),
+                   "writer_wait_s": round(writer.wait_s, 3), "writer_tail_s": round(writer.tail_s, 3),
+                   # waiting for writer processes to start (their torch import): not the disk
+                   "writer_start_s": round(writer.start_wait_s, 3),
                    # what this run wrote, and how fast (over the whole compute phase)
                    "bytes_written": writer.bytes_written,
                    "write_mib_per_s": round(write_mib_s, 1),

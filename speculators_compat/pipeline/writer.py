@@ -323,6 +323,7 @@ class BackgroundWriter:
         self.error: BaseException | None = None
         self.wait_s = 0.0  # time put() spent waiting for room in the queue
         self.tail_s = 0.0  # time close() spent waiting for the last writes
+        self.start_wait_s = 0.0  # (threads start at once; see ProcessWriter)
         self._sums = _ChecksumLog(out)
         self._lock = threading.Lock()
         # Files of one batch are written in parallel (hashing and file writes release the GIL);
@@ -578,6 +579,7 @@ class _WriterProc:
         os.set_blocking(self.fd, False)
         self.outbox = bytearray()  # framed tasks not yet in the pipe
         self.load = 0  # bytes of states sent and not yet reported written
+        self.answered = False  # it has sent something back: started (torch imported), reading tasks
 
     def send(self, obj) -> None:
         import pickle
@@ -613,6 +615,7 @@ class _WriterPool:
         self.nice = _writer_nice()  # (the processes read it from the environment as they start)
         self.procs = [_WriterProc(ctx, i) for i in range(n)]
         self.lock = threading.Lock()  # one ProcessWriter at a time
+        self.broken = False  # a process of it died during a run: never reused
 
     def dead(self):
         return [w.proc for w in self.procs if not w.proc.is_alive()]
@@ -646,6 +649,7 @@ class _WriterPool:
                                                 f"(exit code {w.proc.exitcode})") from None
                     if msg[0] != "pong":
                         raise OutputError(f"writer process {w.proc.name} answered {msg[0]!r} to a ping")
+                    w.answered = True
         finally:
             self.lock.release()
 
@@ -684,8 +688,8 @@ def writer_pool(n: int | None = None, gpu_workers: int | None = None) -> _Writer
         raise ValueError(f"writer processes must be >= 1, not {n}")
     nice = _writer_nice()  # a bad setting is an error here, not a dead writer process
     with _POOL_LOCK:
-        if _POOL is not None and (_POOL.n != n or _POOL.dead() or _POOL.nice != nice):
-            _POOL.close(graceful=not _POOL.dead())
+        if _POOL is not None and (_POOL.n != n or _POOL.broken or _POOL.dead() or _POOL.nice != nice):
+            _POOL.close(graceful=not (_POOL.broken or _POOL.dead()))
             _POOL = None
         if _POOL is None:
             _POOL = _WriterPool(n)
@@ -709,8 +713,9 @@ class ProcessWriter:
     Why: the engine's driver thread spins on vLLM's shared-memory queue while the GPU works, and
     writer *threads* then wait on the GIL: on an H200 host the thread writer managed ~2.7 GiB/s
     in the pipeline against 6.2 GiB/s alone. Samples whose rows are lent arena blocks (the
-    engine's zero-copy hand-off) travel as (file, offset, rows); the rest (rows split over
-    several engine steps) are written on a local thread. Each batch is split over the processes
+    engine's zero-copy hand-off: every prompt, by default) travel as (file, offset, rows); the rest
+    (copied rows: zero-copy off, or rows that fell back to several blocks) are written on a local
+    thread. Each batch is split over the processes
     by bytes still to write (least loaded first). The driver holds every sample until its file
     is written, so the engine cannot reuse those rows meanwhile, and at most ``queue_size + 1``
     batches are in flight (bounded memory, as BackgroundWriter). No driver thread is involved
@@ -732,6 +737,9 @@ class ProcessWriter:
         self.on_threads = 0  # samples written on the local thread (rows not lent)
         self.wait_s = 0.0  # time put() spent waiting for a batch in flight to be written
         self.tail_s = 0.0  # time close() spent waiting for the last writes
+        # time put() and close() spent waiting while a process had not started yet (its torch
+        # import, ~1-3 s): not the disk's doing, so kept out of wait_s and tail_s
+        self.start_wait_s = 0.0
         self._sums = _ChecksumLog(out)
         self._cv = threading.Condition()  # the local threads report through it too
         self._pending: dict[int, tuple[int, dict]] = {}  # index -> (batch, sample), until written
@@ -739,6 +747,9 @@ class ProcessWriter:
         self._batches: dict[int, int] = {}  # batch -> samples not yet written
         self._nbatch = 0
         self._local = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculators-compat-write")
+        for w in self.pool.procs:  # a process not yet heard from says when it has started (a pong)
+            if not w.answered:
+                w.send("ping")
 
     # -------------------------------------------------------------- producer side
     def check(self) -> None:
@@ -747,18 +758,11 @@ class ProcessWriter:
 
     def put(self, items: list[tuple[int, dict]]) -> None:
         """Queue one batch's samples (blocks while ``queue_size + 1`` batches are in flight)."""
-        import time
-
         import numpy as np
 
         self._poll(0)
-        t = time.perf_counter()
-        waited = False
         while self.error is None and len(self._batches) >= self.limit:
-            waited = True
-            self._poll(self._wait_step())
-        if waited:
-            self.wait_s += time.perf_counter() - t
+            self._timed_poll()
         self.check()
         if not items:
             return
@@ -823,10 +827,27 @@ class ProcessWriter:
             self._cv.notify_all()
 
     def _fail(self, e: BaseException) -> None:
+        if isinstance(e, WriterProcessDied):
+            # the pool is not reused even if this writer is never closed, nor while the dead
+            # process, whose pipe already reads end-of-file, has not been reaped yet
+            self.pool.broken = True
         with self._cv:
             if self.error is None:
                 self.error = e
             self._cv.notify_all()
+
+    def _timed_poll(self) -> None:
+        """One wait for results, its time counted as waiting for the writers (or for their start)."""
+        import time
+
+        starting = not all(w.answered for w in self.pool.procs)
+        t = time.perf_counter()
+        self._poll(self._wait_step())
+        dt = time.perf_counter() - t
+        if starting:
+            self.start_wait_s += dt
+        else:
+            self.wait_s += dt
 
     def _wait_step(self) -> float:
         """How long one wait for results may last: short while task bytes wait for room in a
@@ -855,6 +876,7 @@ class ProcessWriter:
             except (EOFError, OSError):
                 self._fail(_died(w.proc, w.proc.exitcode if not w.proc.is_alive() else "unknown (pipe closed)"))
                 continue
+            w.answered = True  # (a "pong" carries no results)
             try:
                 for rec in msg[1]:
                     self._done(*rec)
@@ -872,10 +894,10 @@ class ProcessWriter:
         import time
 
         try:
-            t = time.perf_counter()
+            waited = self.wait_s
             while self.error is None and self._pending:
-                self._poll(self._wait_step())
-            self.tail_s = time.perf_counter() - t
+                self._timed_poll()
+            self.tail_s, self.wait_s = self.wait_s - waited, waited
             self._local.shutdown(wait=True)
             self._sums.close()
             if self.error is not None:  # tasks of this run may still be queued: start afresh next time
