@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--batches", type=int, default=4, help="batches per timed run (the pipeline's writes overlap the next)")
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--seq-mixed", default=None, help="LO,HI: each prompt's length drawn (seeded) from LO..HI "
+                    "instead of --seq, so engine steps split prompts as with a real dataset")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -73,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write the figures here too")
     a = ap.parse_args(argv)
+    if a.seq_mixed and not a.no_hf:
+        ap.error("--seq-mixed needs --no-hf (the HF contender runs equal-length micro-batches)")
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
@@ -89,10 +93,18 @@ def main(argv=None) -> int:
     if cuda:  # the check above may initialise CUDA here: vLLM's processes must then be spawned
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     path = a.model if os.path.isdir(a.model) else str(models.build(a.model))
-    prompts = models.random_prompts([a.seq] * (a.batch * a.batches), seed=7)
+    if a.seq_mixed:
+        import random
+
+        lo, hi = (int(x) for x in a.seq_mixed.split(","))
+        rng = random.Random(7)
+        lengths = [rng.randint(lo, hi) for _ in range(a.batch * a.batches)]
+    else:
+        lengths = [a.seq] * (a.batch * a.batches)
+    prompts = models.random_prompts(lengths, seed=7)
     batches = [prompts[i:i + a.batch] for i in range(0, len(prompts), a.batch)]
-    tokens = len(prompts) * a.seq
-    common = dict(max_model_len=max(2048, a.seq + 8), dtype=a.dtype, max_num_batched_tokens=a.max_num_batched_tokens,
+    tokens = sum(lengths)
+    common = dict(max_model_len=max(2048, max(lengths) + 8), dtype=a.dtype, max_num_batched_tokens=a.max_num_batched_tokens,
                   gpu_memory_utilization=a.gpu_memory_utilization)
     times: dict[str, list[float]] = {}
     tmp = tempfile.mkdtemp(prefix="sc-bench-", dir=a.out_dir)
@@ -281,7 +293,7 @@ def main(argv=None) -> int:
                 "tok_s_max": tokens / min(v), "runs": len(v)} for k, v in times.items()}
     env = {"device": torch.cuda.get_device_name(0) if cuda else f"cpu x{os.cpu_count()}",
            "vllm": versions.installed("vllm"), "torch": torch.__version__, "model": a.model,
-           "batch": a.batch, "batches": a.batches, "seq": a.seq, "tokens": tokens, "dtype": a.dtype,
+           "batch": a.batch, "batches": a.batches, "seq": a.seq_mixed or a.seq, "tokens": tokens, "dtype": a.dtype,
            "max_num_batched_tokens": a.max_num_batched_tokens, "out_dir": a.out_dir or tempfile.gettempdir()}
     print(json.dumps(env))
     print(f"| contender | tokens/s (median) | spread (min-max) | runs |")
