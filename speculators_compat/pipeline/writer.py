@@ -715,8 +715,7 @@ class ProcessWriter:
     in the pipeline against 6.2 GiB/s alone. Samples whose rows are lent arena blocks (the
     engine's zero-copy hand-off: every prompt, by default) travel as (file, offset, rows); the rest
     (copied rows: zero-copy off, or rows that fell back to several blocks) are written on a local
-    thread. Each batch is split over the processes
-    by bytes still to write (least loaded first). The driver holds every sample until its file
+    thread. Each batch is split over the processes by bytes still to write (least loaded first). The driver holds every sample until its file
     is written, so the engine cannot reuse those rows meanwhile, and at most ``queue_size + 1``
     batches are in flight (bounded memory, as BackgroundWriter). No driver thread is involved
     in talking to the processes (see the comment above ``_FRAME``): results are taken in
@@ -762,7 +761,7 @@ class ProcessWriter:
 
         self._poll(0)
         while self.error is None and len(self._batches) >= self.limit:
-            self._timed_poll()
+            self._timed_poll("wait_s")
         self.check()
         if not items:
             return
@@ -836,18 +835,16 @@ class ProcessWriter:
                 self.error = e
             self._cv.notify_all()
 
-    def _timed_poll(self) -> None:
-        """One wait for results, its time counted as waiting for the writers (or for their start)."""
+    def _timed_poll(self, counter: str) -> None:
+        """One wait for results, its time added to ``counter`` (``wait_s`` or ``tail_s``), or to
+        ``start_wait_s`` while a process has not started yet."""
         import time
 
-        starting = not all(w.answered for w in self.pool.procs)
+        if not all(w.answered for w in self.pool.procs):
+            counter = "start_wait_s"
         t = time.perf_counter()
         self._poll(self._wait_step())
-        dt = time.perf_counter() - t
-        if starting:
-            self.start_wait_s += dt
-        else:
-            self.wait_s += dt
+        setattr(self, counter, getattr(self, counter) + time.perf_counter() - t)
 
     def _wait_step(self) -> float:
         """How long one wait for results may last: short while task bytes wait for room in a
@@ -891,13 +888,9 @@ class ProcessWriter:
 
     def close(self) -> None:
         """Wait for every queued sample (or the first failure), release the pool, re-raise."""
-        import time
-
         try:
-            waited = self.wait_s
             while self.error is None and self._pending:
-                self._timed_poll()
-            self.tail_s, self.wait_s = self.wait_s - waited, waited
+                self._timed_poll("tail_s")
             self._local.shutdown(wait=True)
             self._sums.close()
             if self.error is not None:  # tasks of this run may still be queued: start afresh next time
