@@ -197,7 +197,7 @@ def test_slab_serials_are_never_reused(prefix):
     a = w._Arena(prefix, pin=False)
     seen = set()
     for i in range(5):
-        a.prepare((i + 1) << 20)  # each batch bigger: the old slab is released, a new one made
+        a.prepare((2 << i) << 20)  # each batch twice as big (past the headroom): the old slab is released
         assert a.cur not in seen and a.path(a.cur) not in {p for _, p in seen}
         seen.add((a.cur, a.path(a.cur)))
     a.close()
@@ -409,4 +409,52 @@ def test_no_collection_while_the_worker_has_a_free_slab(prefix):
     finally:
         gc.enable()
     r.close()
+    a.close()
+
+
+def _slabs_made_for(needs, prefix, depth=3):
+    """Prepare one batch after another, each slab busy (lent to a write queue) until ``depth``
+    later batches have started; return how many slabs the arena made after the first ``depth + 1``."""
+    a = w._Arena(prefix, pin=False)
+    lent = []
+    made_at_warm = None
+    for i, need in enumerate(needs):
+        a.prepare(need, busy=[a.path(k) for k in lent])
+        a.alloc(need)
+        lent.append(a.cur)
+        lent = lent[-depth:]
+        if i == depth:
+            made_at_warm = a._n
+    made = a._n - made_at_warm
+    a.close()
+    return made
+
+
+def test_slabs_have_headroom_so_mixed_batch_sizes_reuse_them(prefix):
+    """Batches of 32 prompts of 100-2,000 tokens vary by ~10% in bytes. A slab made exactly to its
+    batch's size is too small for the next larger batch, so a pipeline kept making (and, on a
+    GPU, page-locking) new slabs. Made with headroom over the largest batch seen, the slabs of
+    the first few batches serve the rest."""
+    g = torch.Generator().manual_seed(0)
+    row = 512  # bytes a token (any size: only the ratios matter)
+    needs = [int(torch.randint(100, 2001, (32,), generator=g).sum()) * row for _ in range(40)]
+    assert max(needs) / min(needs) > 1.15  # the spread this test is about
+    assert _slabs_made_for(needs, prefix) == 0
+    assert glob.glob(prefix + "*") == []
+
+
+def test_headroom_falls_back_to_the_exact_size_when_shm_is_short(prefix, monkeypatch):
+    # seam: a /dev/shm with room for the batch but not for its headroom (cannot be made unprivileged)
+    real = os.posix_fallocate
+    limit = 5 << 20
+
+    def short(fd, off, size):
+        if size > limit:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, off, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", short)
+    a = w._Arena(prefix, pin=False)
+    a.prepare(limit)
+    assert a.capacity == limit and len(glob.glob(prefix + "*")) == 1
     a.close()
