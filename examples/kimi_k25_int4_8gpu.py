@@ -14,7 +14,9 @@ What each setting is for:
     capture buffer is 0.45 GiB per step;
   * gpu_memory_utilization=0.85 leaves room for the vision tower's profiling pass;
   * VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1200: cold INT4 MoE kernels can stall the first step;
-  * enable_expert_parallel: optional (--ep); plain TP is the tested path;
+  * enable_expert_parallel: optional (--ep). Tested on H200s with a Kimi-width 3-layer model: plain
+    TP=1 and 2, and TP=2 with EP (HF-exact within bf16 tolerance, killed-worker resume
+    byte-identical; docs/gpu-results.md sections 5.1 and 14.1); TP=8 has not run;
   * --output on a disk that keeps up: 57.4 MB/s for each 1,000 tokens/s extracted (`plan` prints
     it). Over long runs that disk, not the GPUs, can set the pace (on the H200 test host: 1.2 GiB/s
     against 4.4 GiB/s of states from a 1.1B model); a run that waited on its writers says so.

@@ -65,7 +65,8 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=7168)
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--build-only", action="store_true")
-    ap.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, e.g. 1,2")
+    ap.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, e.g. 1,2; a size "
+                    "ending in 'ep' (4ep) also enables expert parallelism")
     ap.add_argument("--pipeline", action="store_true", help="only the pipeline + killed-worker check")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -92,14 +93,14 @@ def main() -> int:
     prompts = [[t % a.vocab for t in p] for p in models.random_prompts([5, 700, 37, 1500, 120, 64], seed=1,
                                                                           vocab=a.vocab)]
     bench = models.random_prompts([1024] * 16, seed=2, vocab=a.vocab)
-    tps = [int(x) for x in a.tp.split(",")]
+    tps = a.tp.split(",")
     results, runs = {}, {}
     for tp in tps:
         r = {}
         t = time.time()
         with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=4096, dtype="bfloat16",
-                                       tensor_parallel_size=tp, gpu_memory_utilization=0.5,
-                                       max_num_batched_tokens=1024) as g:
+                                       tensor_parallel_size=int(tp.removesuffix("ep")), gpu_memory_utilization=0.5,
+                                       enable_expert_parallel=tp.endswith("ep"), max_num_batched_tokens=1024) as g:
             r["engine_start_s"] = round(time.time() - t, 1)
             r["model_class"] = g.engine.model_info
             g.generate(prompts)  # warm-up (MoE kernels compile on first use)
@@ -115,6 +116,9 @@ def main() -> int:
             r["bench_tok_s_median"] = round(16 * 1024 / statistics.median(times))
             r["bench_tok_s_spread"] = [round(16 * 1024 / max(times)), round(16 * 1024 / min(times))]
         r["order_ok"] = all(x["input_ids"].tolist() == p for x, p in zip(results[tp], prompts))
+        # routed experts on rank 0: all of them under plain TP, 1/TP of them under expert parallelism
+        r["moe_local_experts_expected"] = a.experts // int(tp.removesuffix("ep")) if tp.endswith("ep") else a.experts
+        r["experts_ok"] = r["model_class"].get("moe_local_experts") == r["moe_local_experts_expected"]
         runs[tp] = r
         print(json.dumps({"tp": tp, **r}, default=str), flush=True)
     report["tokens"] = sum(map(len, prompts))
@@ -130,7 +134,7 @@ def main() -> int:
                 e = float((x["hidden_states"][j].float().cpu() - w).norm() / w.norm())
                 per_layer[lid] = max(per_layer.get(lid, 0.0), e)
         runs[tp].update({"worst_rel_vs_hf": worst, "per_layer_worst_rel": per_layer, "mismatches": len(bad)})
-        ok = ok and not bad and runs[tp]["order_ok"]
+        ok = ok and not bad and runs[tp]["order_ok"] and runs[tp]["experts_ok"]
         if tp != tps[0]:  # against the first TP size, directly
             rel = max(float((x.float() - y.float()).norm() / y.float().norm())
                       for a_, b_ in zip(results[tp], results[tps[0]])
@@ -160,7 +164,7 @@ def pipeline_check(a, path, report) -> int:
 
     from speculators_compat.testing import models
 
-    tp = max(int(x) for x in a.tp.split(","))
+    tp = max(int(x.removesuffix("ep")) for x in a.tp.split(","))
     work = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kimi-pipeline")
     os.makedirs(work, exist_ok=True)
     jsonl = os.path.join(work, "in.jsonl")
@@ -172,7 +176,10 @@ def pipeline_check(a, path, report) -> int:
             "--tensor-parallel-size", str(tp), "--batch-size", "8", "--max-model-len", "4096",
             "--dtype", "bfloat16", "--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.5",
             "--layer-ids", ",".join(str(i) for i in range(a.layers)), "--no-progress"]
-    r = {"tp": tp, "samples": len(prompts), "tokens": sum(map(len, prompts))}
+    ep = any(x.endswith("ep") for x in a.tp.split(","))
+    if ep:
+        args.append("--enable-expert-parallel")
+    r = {"tp": tp, "expert_parallel": ep, "samples": len(prompts), "tokens": sum(map(len, prompts))}
     ref_out, out = os.path.join(work, "ref"), os.path.join(work, "run")
     t = time.time()
     ref = subprocess.run(args + ["--output", ref_out], capture_output=True, text=True)

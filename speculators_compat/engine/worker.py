@@ -341,6 +341,9 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy
         raise ValueError(f"layer ids {bad} out of range: the model has {n} decoder layers (0..{n - 1})")
     info = {"num_layers": n, "base_model": type(base).__name__, "model": type(model).__name__,
             "capturing": False, "runner": type(runner).__name__}
+    local = _moe_local_experts(model)
+    if local is not None:  # on this rank: all experts under plain TP, a share under expert parallelism
+        info["moe_local_experts"] = local
     if not hasattr(runner, "input_batch"):
         raise RuntimeError(
             f"speculators_compat: the model runner {type(runner).__name__} has no `input_batch` "
@@ -370,6 +373,17 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy
     info["capturing"] = True
     info["handoff"] = "shm" if handoff_prefix else "rpc"
     return info
+
+
+def _moe_local_experts(model) -> int | None:
+    """Routed experts held on this rank by the first fused-MoE layer, read from its expert weights
+    (``w13_weight``, or ``w13_weight_packed`` when quantized: dim 0 is the local expert count in
+    every vLLM 0.11-0.32); None for a dense model."""
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf.startswith("w13_weight") and p.dim() >= 2:
+            return int(p.shape[0])
+    return None
 
 
 def _wrap_runner(runner, st: _CaptureState) -> None:

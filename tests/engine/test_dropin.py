@@ -4,6 +4,7 @@ Stress settings: max_num_batched_tokens=128 (every long prompt is split by chunk
 many steps) and max_num_seqs=4 (batches of 13 and 40 span many steps, re-ordered by the runner).
 """
 import json
+from pathlib import Path
 
 import pytest
 from packaging.version import Version
@@ -318,6 +319,8 @@ def test_deepseek_v3_mla_moe(vllm_version, hf_ref, capfd):
             pytest.skip(f"vLLM {vllm_version}: its CPU build picks a FlashAttention MLA prefill backend "
                         "it cannot import (ImportError in the worker)")
         raise
+    experts = json.loads((Path(path) / "config.json").read_text())["n_routed_experts"]
+    assert g.engine.model_info.get("moe_local_experts") == experts  # plain TP=1: every expert here
     prompts = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11], seed=31)
     with g:
         res = g.generate(prompts)
