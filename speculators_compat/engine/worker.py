@@ -139,7 +139,7 @@ class _Arena:
     # plus page-locking (0.1 s or more for the ~0.5 GB of a 32 x 1024-token batch on a GPU)
     HEADROOM = 1.25  # a slab made for a batch is sized to the largest batch seen so far times this, so
     # batches of mixed sizes soon fit the slabs already made (H200, 32 prompts of 100-2,000 tokens:
-    # without it each run of 16 batches made up to 3 new slabs, ~0.1 s each); falls back to the exact
+    # without it each run of 16 batches made up to 3 new slabs, ~0.3 s each); falls back to the exact
     # size where /dev/shm has no room for the headroom
 
     def __init__(self, prefix: str | None, pin: bool):
@@ -378,7 +378,7 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy
 def _moe_local_experts(model) -> int | None:
     """Routed experts held on this rank by the first fused-MoE layer, read from its expert weights
     (``w13_weight``, or ``w13_weight_packed`` when quantized: dim 0 is the local expert count in
-    every vLLM 0.11-0.32); None for a dense model."""
+    the 0.11, 0.12, 0.16, 0.17 and 0.32 sources); None for a dense model."""
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if leaf.startswith("w13_weight") and p.dim() >= 2:
