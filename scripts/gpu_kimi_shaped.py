@@ -57,6 +57,11 @@ def build(path, layers, experts, width, vocab):
     return n
 
 
+def tp_entry(x: str) -> tuple[int, bool]:
+    """'2' -> (2, False); '2ep' -> (2, True): tensor-parallel size, expert parallelism."""
+    return int(x.removesuffix("ep")), x.endswith("ep")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -99,8 +104,8 @@ def main() -> int:
         r = {}
         t = time.time()
         with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=4096, dtype="bfloat16",
-                                       tensor_parallel_size=int(tp.removesuffix("ep")), gpu_memory_utilization=0.5,
-                                       enable_expert_parallel=tp.endswith("ep"), max_num_batched_tokens=1024) as g:
+                                       tensor_parallel_size=tp_entry(tp)[0], gpu_memory_utilization=0.5,
+                                       enable_expert_parallel=tp_entry(tp)[1], max_num_batched_tokens=1024) as g:
             r["engine_start_s"] = round(time.time() - t, 1)
             r["model_class"] = g.engine.model_info
             g.generate(prompts)  # warm-up (MoE kernels compile on first use)
@@ -117,7 +122,8 @@ def main() -> int:
             r["bench_tok_s_spread"] = [round(16 * 1024 / max(times)), round(16 * 1024 / min(times))]
         r["order_ok"] = all(x["input_ids"].tolist() == p for x, p in zip(results[tp], prompts))
         # routed experts on rank 0: all of them under plain TP, 1/TP of them under expert parallelism
-        r["moe_local_experts_expected"] = a.experts // int(tp.removesuffix("ep")) if tp.endswith("ep") else a.experts
+        size, ep = tp_entry(tp)
+        r["moe_local_experts_expected"] = a.experts // size if ep else a.experts
         r["experts_ok"] = r["model_class"].get("moe_local_experts") == r["moe_local_experts_expected"]
         runs[tp] = r
         print(json.dumps({"tp": tp, **r}, default=str), flush=True)
@@ -164,7 +170,8 @@ def pipeline_check(a, path, report) -> int:
 
     from speculators_compat.testing import models
 
-    tp = max(int(x.removesuffix("ep")) for x in a.tp.split(","))
+    entries = [tp_entry(x) for x in a.tp.split(",")]
+    tp = max(size for size, _ in entries)
     work = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kimi-pipeline")
     os.makedirs(work, exist_ok=True)
     jsonl = os.path.join(work, "in.jsonl")
@@ -176,7 +183,7 @@ def pipeline_check(a, path, report) -> int:
             "--tensor-parallel-size", str(tp), "--batch-size", "8", "--max-model-len", "4096",
             "--dtype", "bfloat16", "--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.5",
             "--layer-ids", ",".join(str(i) for i in range(a.layers)), "--no-progress"]
-    ep = any(x.endswith("ep") for x in a.tp.split(","))
+    ep = any(e for _, e in entries)
     if ep:
         args.append("--enable-expert-parallel")
     r = {"tp": tp, "expert_parallel": ep, "samples": len(prompts), "tokens": sum(map(len, prompts))}
