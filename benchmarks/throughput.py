@@ -163,7 +163,10 @@ def main(argv=None) -> int:
 
     slabs_made: dict[str, list[int]] = {}  # arena slabs the worker had to make during each timed run
     engine_s: dict[str, list[dict]] = {}  # per timed run: where the engine's time went (s)
-    ENGINE_KEYS = ("prep_s", "busy_s", "expect_s", "drive_s", "handoff_s", "hook_s", "take_s")
+    # worker_expect_s: the worker readying its arena per batch; arena_new_s: the part of it spent
+    # making (on a GPU, page-locking) new slabs
+    ENGINE_KEYS = ("prep_s", "busy_s", "expect_s", "drive_s", "handoff_s", "hook_s", "take_s", "worker_expect_s",
+                   "arena_new_s")
 
     gc_s: dict[str, list[dict]] = {}  # per timed run: the driver's garbage collections (seconds, gen-2 count)
     gc_now = {"t0": 0.0, "s": 0.0, "full": 0}

@@ -458,3 +458,58 @@ def test_headroom_falls_back_to_the_exact_size_when_shm_is_short(prefix, monkeyp
     a.prepare(limit)
     assert a.capacity == limit and len(glob.glob(prefix + "*")) == 1
     a.close()
+
+
+def _pipeline_slabs(needs, prefix, depths, want=None):
+    """Prepare ``needs`` one after another, each slab lent (busy) until ``depths[i]`` later batches
+    have started (a write queue whose backlog varies); -> slabs made after the first batch."""
+    a = w._Arena(prefix, pin=False)
+    lent = []
+    for i, (need, depth) in enumerate(zip(needs, depths)):
+        a.prepare(need, busy=[a.path(k) for k in lent], want=want if i == 0 else None)
+        a.alloc(need)
+        if i == 0:
+            made_first = a._n
+        lent = (lent + [a.cur])[-depth:] if depth else []
+    made = a._n - made_first
+    a.close()
+    return made
+
+
+def test_slabs_asked_for_are_made_at_the_first_batch(prefix):
+    """A pipeline holds up to queue_size + 1 batches in its writer; how many it holds depends on
+    how far the writers lag. Made as needed, each deeper backlog makes a slab mid-run (on a GPU:
+    ~0.3 s of engine time each, measured); asked for ahead, all are made at the first batch."""
+    needs = [10 << 20] * 30
+    depths = [1] * 10 + [2] * 10 + [3] * 10  # writers falling behind as the run goes on
+    assert _pipeline_slabs(needs, prefix, depths) == 3  # at the 2nd, 11th and 21st batch
+    assert _pipeline_slabs(needs, prefix, depths, want=4) == 0
+    a = w._Arena(prefix, pin=False)
+    a.prepare(10 << 20, want=4)
+    assert len(a.slabs) == 4 and a.want == 4
+    assert all(s[1].numel() >= int(1.25 * (10 << 20)) for s in a.slabs.values())  # with headroom
+    a.prepare(10 << 20)  # nothing lent, want kept: the four stay
+    assert len(a.slabs) == 4
+    a.close()
+    assert glob.glob(prefix + "*") == []
+
+
+def test_slabs_asked_for_stop_at_a_full_shm(prefix, monkeypatch, caplog):
+    # seam: a /dev/shm with room for two slabs only (cannot be made unprivileged)
+    real = os.posix_fallocate
+    made = []
+
+    def short(fd, off, size):
+        if len(made) >= 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        made.append(size)
+        return real(fd, off, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", short)
+    a = w._Arena(prefix, pin=False)
+    with caplog.at_level("INFO"):
+        a.prepare(1 << 20, want=4)  # the batch itself is placed; the rest is not an error
+    assert a.capacity >= 1 << 20 and len(a.slabs) == 2 and a.want == 2
+    assert "made 2 of the 4 hand-off slabs" in caplog.text
+    a.close()
+    assert glob.glob(prefix + "*") == []

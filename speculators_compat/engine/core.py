@@ -514,6 +514,7 @@ class ExtractionEngine:
         self._handoff_lock = hold_handoff_lock(self._handoff_prefix) if self._handoff_prefix else None
         self.timings = {"drive_s": 0.0, "handoff_s": 0.0, "prep_s": 0.0, "busy_s": 0.0, "expect_s": 0.0}
         self._worker_slabs = None  # the worker's arena files as of its last take (None: not known)
+        self.arena_slabs = 0  # batches of lent rows the caller holds at once (set_arena_slabs)
         # Does collective_rpc(unique_reply_rank=0) hand back the value (0.12+) or a 1-list (0.11)?
         # Probe the behaviour instead of trusting a version number.
         self._rpc_takes_rank = "unique_reply_rank" in _params(self.executor.collective_rpc)
@@ -575,7 +576,7 @@ class ExtractionEngine:
         ids = [f"sc-{self._uid}-{self._calls}-{i}" for i in range(len(prompts))]
         busy = self._reader.busy(self._worker_slabs)
         self.timings["busy_s"] += time.perf_counter() - t_prep
-        expect = ({r: len(p) for r, p in zip(ids, prompts)}, busy)
+        expect = ({r: len(p) for r, p in zip(ids, prompts)}, busy, self.arena_slabs if self.lends_rows else 0)
         ahead = None
         if self.announce == "ahead":  # the reply comes back in order, before the first step's
             ahead = self.executor.collective_rpc("compat_capture_expect", args=expect, non_block=True)
@@ -686,6 +687,16 @@ class ExtractionEngine:
     def describe(self, t) -> tuple | None:
         """Where a returned tensor lives, if it is lent arena rows: (file, byte offset, rows)."""
         return self._reader.describe(t)
+
+    def set_arena_slabs(self, n: int) -> None:
+        """Say how many batches' results the caller will hold at once (a pipeline: its write
+        queue plus the batch being computed); with lent rows, the worker makes that many arena
+        slabs at the next batch instead of one at a time mid-run, whenever the caller falls
+        further behind. 0 (default): made as needed."""
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"arena slabs must be >= 0, not {n}")
+        self.arena_slabs = n
 
     def set_zero_copy(self, on: bool) -> None:
         """Lend captured rows to the caller (True) or copy them out (False) from the next run on."""

@@ -187,6 +187,14 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
             writer = ProcessWriter(out, describe, queue_size, writer_threads, gpu_workers=tp)
         else:
             writer = BackgroundWriter(out, queue_size, writer_threads)
+        # the worker's arena: one slab per batch the writer may hold, plus the one being computed,
+        # made at the first batch (not one by one, mid-run, as the writers fall behind)
+        slabs = max(1, queue_size) + 2
+        if total is not None:
+            slabs = min(slabs, max(1, -(-(total - len(done)) // batch_size)))
+        set_slabs = getattr(getattr(generator, "engine", None), "set_arena_slabs", None)
+        if set_slabs is not None:
+            set_slabs(slabs)
         bar = _progress(total, progress, initial=0)
         stats = {"samples_seen": 0, "skipped_done": 0, "computed": 0, "written_new": 0, "tokens": 0,
                  "truncated": [], "skipped_overlength": []}
@@ -246,6 +254,8 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 bar.set_postfix_str(f"{stats['tokens'] / max(time.time() - t_compute, 1e-9):,.0f} tok/s", refresh=False)
             stats["samples_seen"] = n_seen
         finally:
+            if set_slabs is not None:
+                set_slabs(0)  # later plain generate() calls hold nothing: slabs made as needed
             batches.close()
             bar.close()
             try:
