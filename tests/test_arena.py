@@ -513,3 +513,32 @@ def test_slabs_asked_for_stop_at_a_full_shm(prefix, monkeypatch, caplog):
     assert "made 2 of the 4 hand-off slabs" in caplog.text
     a.close()
     assert glob.glob(prefix + "*") == []
+
+
+def test_slabs_asked_for_stay_through_the_keep_window_after_the_ask_ends(prefix, monkeypatch):
+    """A pipeline's ask ends with the pipeline. Plain calls right after it (a benchmark alternates
+    them with pipeline runs) must not release what the next pipeline run asks for again: on the
+    H200 each such slab was released (~0.11 s) and made again (~0.35 s). They go once older than
+    both keep windows, as any recent peak does."""
+    clock = [1000.0]
+    monkeypatch.setattr(w.time, "monotonic", lambda: clock[0])
+    a = w._Arena(prefix, pin=False)
+    a.prepare(1 << 20, want=4)
+    for _ in range(5):  # a pipeline whose writers keep up: nothing is held at the next batch
+        clock[0] += 0.1
+        a.prepare(1 << 20)
+    made = a._n
+    a.prepare(1 << 20, want=0)  # the pipeline is done
+    for _ in range(3 * w._Arena.RECENT):  # quick plain calls within KEEP_S
+        clock[0] += 0.1
+        a.prepare(1 << 20)
+    assert len(a.slabs) == 4
+    a.prepare(1 << 20, want=4)  # the next pipeline run finds them
+    assert a._n == made
+    a.prepare(1 << 20, want=0)
+    for _ in range(w._Arena.RECENT + 1):
+        a.prepare(1 << 20)
+    clock[0] += a.keep_s + 1
+    a.prepare(1 << 20)
+    assert len(a.slabs) == 1 + w._Arena.SPARE
+    a.close()
