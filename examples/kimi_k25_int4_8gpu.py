@@ -20,6 +20,11 @@ What each setting is for:
   * --output on a disk that keeps up: 57.4 MB/s for each 1,000 tokens/s extracted (`plan` prints
     it). Over long runs that disk, not the GPUs, can set the pace (on the H200 test host: 1.2 GiB/s
     against 4.4 GiB/s of states from a 1.1B model); a run that waited on its writers says so.
+  * /dev/shm on the host (docker: --ipc=host or a large --shm-size): captured states reach the
+    writers through an arena there, page-locked for the GPUs' copies; the pipeline holds up to
+    queue_size + 2 batches of them, each slab with 25% headroom. At --batch-size 32 and prompts of
+    up to 8,191 tokens that is at most 70.0 GiB; `plan --input train.jsonl --batch-size 32
+    --max-model-len 8192` sizes it from the dataset's largest batch.
 Resumable: rerun the same command after any interruption.
 
 It needs the GPUs; everything around it runs on the built-in tiny models on CPU:

@@ -44,6 +44,23 @@ def test_plan_kimi_k25_on_8_gpus():
     assert p["kv_bytes_per_token_per_gpu"] == (512 + 64) * 61 * 2  # MLA latent, replicated per rank
     assert p["weight_bytes_per_gpu"] < 141 * 2**30 * 0.8
     assert abs(p["dataset"]["hidden_state_bytes"] - 100000 * 4096 * 57344) < 1
+    # the host hand-off: the pipeline's queue_size + 2 slabs, 1.25 x a batch of 8 prompts of
+    # max_model_len - 1 tokens (no dataset read)
+    assert p["handoff_batch_tokens"] == 8 * 2047
+    assert p["handoff_bytes"] == int(4 * 1.25 * 8 * 2047 * 57344)
+
+
+def test_plan_sizes_the_host_handoff_from_the_largest_batch(tmp_path):
+    lengths = [10, 3000, 20, 30, 40, 50, 5]  # batches of 3: 3030 (3000 capped at 2047: 2077), 120, 5
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": [1] * n}) + "\n" for n in lengths))
+    r = cli("plan", "--model", "examples/kimi_k25", "--input", str(tmp_path / "in.jsonl"), "--batch-size", "3",
+            "--queue-size", "1", "--max-model-len", "2048", "--json")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["handoff_batch_tokens"] == 10 + 2047 + 20
+    assert p["handoff_bytes"] == int(3 * 1.25 * (10 + 2047 + 20) * 57344)
+    text = cli("plan", "--model", "examples/kimi_k25", "--batch-size", "16").stdout
+    assert "host hand-off (/dev/shm" in text and "largest batch 32,752 tokens" in text
 
 
 def test_bad_cli_arguments():

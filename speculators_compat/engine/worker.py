@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from . import ARENA_HEADROOM
+
 logger = logging.getLogger("speculators_compat.worker")
 
 #: GPU -> host hand-off: "pinned" (async copies into pinned host memory, one sync per take) or "sync".
@@ -137,7 +139,7 @@ class _Arena:
     # quick calls that hold nothing (a benchmark's plain generate() runs between pipeline runs) must not
     # release the slabs a write queue needs again seconds later; a new one is a /dev/shm allocation
     # plus page-locking (0.1 s or more for the ~0.5 GB of a 32 x 1024-token batch on a GPU)
-    HEADROOM = 1.25  # a slab made for a batch is sized to the largest batch seen so far times this, so
+    HEADROOM = ARENA_HEADROOM  # 1.25: a slab made for a batch is sized to the largest batch seen so far times this, so
     # batches of mixed sizes soon fit the slabs already made (H200, 32 prompts of 100-2,000 tokens:
     # without it each run of 16 batches made up to 3 new slabs, ~0.3 s each); falls back to the exact
     # size where /dev/shm has no room for the headroom

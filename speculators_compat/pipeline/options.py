@@ -69,6 +69,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", default=None, help="dataset, to size the output (optional)")
     p.add_argument("--num-samples", type=int, default=None)
     p.add_argument("--avg-tokens", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=8, help="as for extract: sizes the host hand-off arena")
+    p.add_argument("--queue-size", type=int, default=2, help="as for extract: sizes the host hand-off arena")
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory (default: detect, "
                    "else 141 GiB H200)")
     p.add_argument("--json", action="store_true")

@@ -7,8 +7,9 @@ also inside a VLM's ``text_config``; a ViT tower from ``vision_config``), applie
     norms and routers replicated);
   * KV cache bytes per token per GPU (MLA: the 512+64 latent is replicated on every TP rank;
     GQA: KV heads are sharded when there are at least TP of them);
-  * capture buffers: max_num_batched_tokens x captured layers x hidden on the GPU per step,
-    and the same in pinned host memory;
+  * capture buffers: max_num_batched_tokens x captured layers x hidden on the GPU per step;
+  * the host's hand-off arena (/dev/shm, page-locked on a GPU): the extract pipeline holds up to
+    queue_size + 2 batches of states there, each slab sized with the worker's headroom;
   * hidden-state bytes per token and, with a dataset, for the whole output (+ ids and loss masks).
 """
 from __future__ import annotations
@@ -44,6 +45,11 @@ class Plan:
     kv_cache_tokens: int
     notes: list[str] = field(default_factory=list)
     dataset: dict[str, Any] | None = None
+    batch_size: int | None = None
+    # /dev/shm the extract pipeline's hand-off arena may take (TP rank 0's host), from the largest
+    # batch: the dataset's when read, else batch_size prompts at max_model_len - 1 tokens
+    handoff_batch_tokens: int | None = None
+    handoff_bytes: int | None = None
 
 
 def _text_cfg(cfg: dict) -> dict:
@@ -132,7 +138,8 @@ def count_params(cfg: dict) -> dict[str, Any]:
 def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_num_batched_tokens: int | None = None,
               gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.8, dtype_bytes: int = 2,
               num_samples: int | None = None, avg_tokens: float | None = None, total_tokens: int | None = None,
-              max_model_len: int = 2048) -> Plan:
+              max_model_len: int = 2048, batch_size: int | None = None, queue_size: int = 2,
+              max_batch_tokens: int | None = None) -> Plan:
     from ..generator import default_layer_ids, normalize_layer_ids
 
     cfg_path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
@@ -186,6 +193,14 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
         ds = {"samples": num_samples, "tokens": total_tokens,
               "hidden_state_bytes": total_tokens * hidden_per_token,
               "disk_bytes": total_tokens * per_token_disk + (num_samples or 0) * 1500}
+    handoff_tokens = handoff = None
+    if batch_size:
+        from ..engine import ARENA_HEADROOM
+
+        handoff_tokens = max_batch_tokens or batch_size * (max_model_len - 1)
+        # the slabs the pipeline asks for (its queue plus the batch computed), each with headroom
+        slabs = max(1, queue_size) + 2
+        handoff = int(slabs * ARENA_HEADROOM * handoff_tokens * hidden_per_token)
     return Plan(model=str(model), architecture=(cfg.get("architectures") or ["?"])[0], num_layers=n,
                 hidden_size=h, layer_ids=ids, tensor_parallel_size=tp, params_total=int(total),
                 params_quantized=int(quant), weight_bytes_total=int(wbytes_total),
@@ -194,7 +209,8 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
                 hidden_bytes_per_token=hidden_per_token, disk_bytes_per_token=per_token_disk,
                 gpu_memory_bytes=gpu_bytes,
                 kv_cache_bytes_per_gpu=max(kv_budget, 0), kv_cache_tokens=max(kv_budget, 0) // max(kv, 1),
-                notes=notes, dataset=ds)
+                notes=notes, dataset=ds, batch_size=batch_size, handoff_batch_tokens=handoff_tokens,
+                handoff_bytes=handoff)
 
 
 def _detect_gpu_gib() -> float | None:
@@ -220,12 +236,15 @@ def format_plan(p: Plan) -> str:
              f"  weights: total {gib(p.weight_bytes_total)}; per GPU {gib(p.weight_bytes_per_gpu)}",
              f"  GPU memory {gib(p.gpu_memory_bytes)} per GPU; KV cache left {gib(p.kv_cache_bytes_per_gpu)} "
              f"= {p.kv_cache_tokens:,} tokens at {p.kv_bytes_per_token_per_gpu:,} B/token/GPU",
-             f"  per step: {p.tokens_per_step:,} tokens; capture buffers {gib(p.capture_bytes_per_step)} on GPU "
-             f"(+ the same pinned on the host)",
+             f"  per step: {p.tokens_per_step:,} tokens; capture buffers {gib(p.capture_bytes_per_step)} on GPU",
              f"  hidden states: {p.hidden_bytes_per_token:,} B per token ({len(p.layer_ids)} layers x "
              f"{p.hidden_size} x 2 B)",
              f"  output disk: {p.disk_bytes_per_token * 1000 / 1e6:,.1f} MB/s for each 1,000 tokens/s extracted "
              f"(the pipeline goes no faster than its output disk writes)"]
+    if p.handoff_bytes is not None:
+        lines.append(f"  host hand-off (/dev/shm on TP rank 0's host, page-locked on a GPU): up to "
+                     f"{gib(p.handoff_bytes)} while extracting (largest batch {p.handoff_batch_tokens:,} "
+                     f"tokens; docker: --shm-size or --ipc=host)")
     if p.dataset:
         d = p.dataset
         lines.append(f"  dataset: {d['samples'] or '?'} samples, {d['tokens']:,} tokens -> hidden states "
@@ -240,17 +259,26 @@ def main_plan(args) -> int:
         from .dataset import open_dataset
 
         num = total_tokens = 0
+        batch_size = getattr(args, "batch_size", None) or 1
+        max_batch = in_batch = 0
         for s in open_dataset(args.input):
             if getattr(args, "max_samples", None) and num >= args.max_samples:
                 break
+            if num % batch_size == 0:
+                in_batch = 0
             num += 1
-            total_tokens += min(len(s.input_ids), args.max_model_len - 1)
+            n = min(len(s.input_ids), args.max_model_len - 1)
+            total_tokens += n
+            in_batch += n
+            max_batch = max(max_batch, in_batch)
     p = make_plan(args.model, layer_ids=args.layer_ids, tensor_parallel_size=args.tensor_parallel_size,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   gpu_memory_gib=getattr(args, "gpu_memory_gib", None),
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   num_samples=num or getattr(args, "num_samples", None),
                   avg_tokens=getattr(args, "avg_tokens", None), total_tokens=total_tokens or None,
-                  max_model_len=args.max_model_len)
+                  max_model_len=args.max_model_len, batch_size=getattr(args, "batch_size", None),
+                  queue_size=getattr(args, "queue_size", 2),
+                  max_batch_tokens=max_batch if getattr(args, "input", None) else None)
     print(json.dumps(asdict(p), indent=2) if getattr(args, "json", False) else format_plan(p))
     return 0
