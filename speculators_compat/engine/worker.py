@@ -144,11 +144,6 @@ class _Arena:
     # without it each run of 16 batches made up to 3 new slabs, ~0.3 s each); falls back to the exact
     # size where /dev/shm has no room for the headroom
 
-    # ``want``: slabs the caller will hold at once (a pipeline: its write queue's batches plus the
-    # one being filled), made together at its first batch instead of one by one mid-run whenever
-    # the writers fall further behind (each, on a GPU, ~0.3 s of the engine's time: measured as
-    # 0.35-0.44 s more engine drive time in the 40-batch H200 runs that made one)
-
     def __init__(self, prefix: str | None, pin: bool):
         self.prefix, self.pin = prefix, pin
         self.slabs: dict[int, list] = {}  # serial -> [path | None, uint8 tensor, pinned?]
@@ -158,7 +153,10 @@ class _Arena:
         self.peak_need = 0  # the largest batch (bytes) prepare() was asked for
         self._in_use: deque = deque(maxlen=4096)  # (monotonic time, slabs in use) of recent batches
         self.keep_s = arena_keep_s()
-        self.want = 0  # slabs to have ready (set through prepare(); 0: make them as needed)
+        # slabs the caller will hold at once (a pipeline: its write queue plus the batch being
+        # filled), made together instead of one each time its writers fall a batch further behind
+        # (on the H200 each cost the engine ~0.35 s, measured); 0: made as needed
+        self.want = 0
         self.t_new = 0.0  # seconds spent making slabs (allocating, mapping, page-locking)
 
     @property
