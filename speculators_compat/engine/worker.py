@@ -191,7 +191,7 @@ class _Arena:
         peak = max(n for _, n in self._in_use)
         fits = sorted((k for k in free if self.slabs[k][1].numel() >= need), key=lambda k: self.slabs[k][1].numel())
         chosen = fits[0] if fits else None
-        keep = set(fits[: 1 + max(self.SPARE, peak - in_use, self.want - in_use)])
+        keep = set(fits[: 1 + max(self.SPARE, peak - in_use)])  # (peak counts the slabs asked for)
         for k in free:
             if k not in keep:
                 self._release(self.slabs.pop(k))
@@ -206,15 +206,19 @@ class _Arena:
         room in /dev/shm (logged): the batches that need one later get the usual clear error."""
         while need and len(self.slabs) < self.want:
             try:
-                self._new(int(max(need, self.peak_need) * self.HEADROOM))
+                self._new(self._roomy(need))
             except ArenaSpaceError as e:
                 logger.info("speculators_compat: made %d of the %d hand-off slabs asked for ahead; "
                             "the rest are made when needed (%s)", len(self.slabs), self.want, e)
                 self.want = len(self.slabs)
                 return
 
+    def _roomy(self, need: int) -> int:
+        """A new slab's size: the largest batch seen (or this one) with headroom."""
+        return int(max(need, self.peak_need) * self.HEADROOM)
+
     def _new_with_headroom(self, need: int) -> int:
-        roomy = int(max(need, self.peak_need) * self.HEADROOM)
+        roomy = self._roomy(need)
         if roomy > need:
             try:
                 return self._new(roomy)
