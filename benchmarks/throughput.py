@@ -70,6 +70,9 @@ def main(argv=None) -> int:
                     "(SPECULATORS_COMPAT_WRITER_NICE: a niceness increment or idle)")
     ap.add_argument("--checksums", default="crc32", help="e.g. 'crc32,sha256': the pipeline's file checksum "
                     "(crc32 is the pipeline's default)")
+    ap.add_argument("--formats", default="pt", help="e.g. 'pt,safetensors': the pipeline's output format")
+    ap.add_argument("--shard-sizes", default="1", help="e.g. '1,64': samples per file (> 1: safetensors shards, "
+                    "timed with --formats safetensors only)")
     ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
                     "to take the disk out of the measurement)")
     ap.add_argument("--no-hf", action="store_true")
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
 
     breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
 
-    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, ck="crc32"):
+    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, ck="crc32", fmt="pt", shard=1):
         if nice is not None:  # read when the writer processes start (a change restarts them)
             os.environ["SPECULATORS_COMPAT_WRITER_NICE"] = nice
         if wm == "process" or (wm == "auto" and cuda):  # a new pool size restarts the processes:
@@ -144,7 +147,8 @@ def main(argv=None) -> int:
             out = tempfile.mkdtemp(prefix="out-", dir=tmp)
             t = time.perf_counter()
             s = run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False, writer_threads=wt,
-                            writer=wm, read_ahead=ra, checksum=ck)
+                            writer=wm if shard == 1 else "thread", read_ahead=ra, checksum=ck, fmt=fmt,
+                            shard_size=shard)
             total = time.perf_counter() - t
             shutil.rmtree(out)
             if name:
@@ -195,16 +199,26 @@ def main(argv=None) -> int:
     ras = [int(x) for x in a.read_ahead.split(",")]
     nices = a.writer_nice.split(",") if a.writer_nice else [None]
     cks = a.checksums.split(",")
+    fmts = a.formats.split(",")
+    shards = [int(x) for x in a.shard_sizes.split(",")]
+    outputs = [(f, n) for f in fmts for n in shards if n == 1 or f == "safetensors"]
 
     pipeline_tag: dict[str, str] = {}  # pipeline row -> the engine variant's tag (its generate() row's)
 
     def time_pipelines(gen, tag):  # every pipeline variant asked for, once each
-        for wt, wm, ra, nice, ck in itertools.product(wts, wms, ras, nices, cks):
+        timed = set()
+        for wt, wm, ra, nice, ck, (fmt, shard) in itertools.product(wts, wms, ras, nices, cks, outputs):
+            if shard > 1:  # shards are written on a thread, whatever --writer-modes says: once
+                wm = "thread"
             name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
+                    + (f"[{fmt}]" if len(fmts) > 1 else "") + (f"[s{shard}]" if len(shards) > 1 else "")
                     + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else "")
                     + (f"[{ck}]" if len(cks) > 1 else ""))
+            if name in timed:
+                continue
+            timed.add(name)
             pipeline_tag[name] = tag
-            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, ck))
+            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, ck, fmt, shard))
 
     from speculators_compat.engine.driver_wait import driver_wait_from_env
 

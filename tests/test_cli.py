@@ -66,5 +66,9 @@ def test_plan_sizes_the_host_handoff_from_the_largest_batch(tmp_path):
 def test_bad_cli_arguments():
     r = cli("extract", "--model", "x", "--input", "y", "--output", "z", "--layer-ids", "1,a")
     assert r.returncode != 0 and "--layer-ids must be comma-separated integers" in r.stderr
+    r = cli("extract", "--model", "x", "--input", "y", "--output", "z", "--shard-size", "0")
+    assert r.returncode != 0 and "--shard-size: expected an integer >= 1, not '0'" in r.stderr
+    r = cli("extract", "--model", "x", "--input", "y", "--output", "z", "--shard-size", "4")  # default: pt
+    assert r.returncode == 2 and "--shard-size 4 needs --format safetensors" in r.stderr
     r = cli("plan", "--model", "/nonexistent/model")
     assert r.returncode != 0 and "config.json not found" in r.stderr

@@ -244,6 +244,36 @@ def test_process_writer_writes_the_bytes_the_thread_writer_writes(tmp_path, fmt)
     arena.close()
 
 
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_a_layer_listed_twice_is_written_by_both_writers(tmp_path, fmt):
+    """Upstream's default ids [2, n//2, n-3, n-1] list layer 3 twice on a 6-layer model, and the
+    generator then returns one state twice (seen: the same lent rows). safetensors refuses two
+    tensors over the same memory; before the fix the pipeline failed on its first file in that
+    format (found by the benchmark on the tiny Llama with the default ids)."""
+    torch = pytest.importorskip("torch")
+    arena, reader, items = _lent_samples(tmp_path)
+    items = [(i, {**s, "hidden_states": [s["hidden_states"][0], s["hidden_states"][1], s["hidden_states"][1]]})
+             for i, s in items]
+    got = _write_with_both(tmp_path, items, reader, fmt)
+    assert got["process"][:2] == got["thread"][:2] and len(got["thread"][0]) == len(items)
+    for i, s in items:
+        p = tmp_path / "thread" / f"data_{i}.{fmt}"
+        if fmt == "pt":
+            hs = torch.load(p, weights_only=True)["hidden_states"]
+        else:
+            from safetensors.torch import load_file
+
+            d = load_file(str(p))
+            hs = [d[f"hidden_states_{j}"] for j in range(3)]
+        assert torch.equal(hs[0], s["hidden_states"][0])
+        assert torch.equal(hs[1], s["hidden_states"][1]) and torch.equal(hs[2], s["hidden_states"][1])
+    del items, got
+    import gc
+
+    gc.collect()
+    arena.close()
+
+
 def test_process_writer_unlent_rows_go_to_a_thread(tmp_path):
     torch = pytest.importorskip("torch")
     from speculators_compat.pipeline import writer as w

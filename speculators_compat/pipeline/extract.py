@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 
 from .. import versions
 from .dataset import DatasetError, Sample, open_dataset
+from .shards import ShardWriter, check_shard_size
 from .writer import BackgroundWriter, OutputDir, ProcessWriter, check_checksum
 
 WRITER_MODES = ("auto", "thread", "process")
@@ -136,7 +137,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
                 queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
                 layer_id_convention: str = "upstream", writer: str = "auto", read_ahead: bool = True,
-                checksum: str | None = None, **gen_kwargs) -> dict[str, Any]:
+                checksum: str | None = None, shard_size: int = 1, **gen_kwargs) -> dict[str, Any]:
     model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
@@ -145,6 +146,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
     if on_overlength not in ("truncate", "error", "skip"):
         raise ValueError(f"on_overlength must be truncate, error or skip, not {on_overlength!r}")
     check_checksum(checksum)
+    check_shard_size(shard_size, fmt, writer)
     import torch
 
     from ..generator import token_tensor
@@ -161,7 +163,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
     if generator is not None:
         tp = getattr(getattr(getattr(generator, "vllm_config", None), "parallel_config", None),
                      "tensor_parallel_size", None) or tp
-    if writer == "process" or (writer == "auto" and generator is None and _gpu_host()):
+    if shard_size == 1 and (writer == "process" or (writer == "auto" and generator is None and _gpu_host())):
         from .writer import writer_pool
 
         writer_pool(writer_threads, tp)  # start the writer processes now: they import torch meanwhile
@@ -179,10 +181,14 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                     "layer_id_convention": "upstream", "format": fmt, "batch_size": batch_size,
                     "max_model_len": max_len + 1, "on_overlength": on_overlength,
                     "dtype": str(generator.vllm_config.model_config.dtype).replace("torch.", "")}
-        out = OutputDir(output, fmt, checksum)
-        done = out.prepare(run_info)
-        writer_mode = choose_writer(writer, generator)
-        if writer_mode == "process":
+        if shard_size > 1:  # (only then: an output written before shards existed still resumes)
+            run_info["shard_size"] = shard_size
+        out = OutputDir(output, fmt, checksum, shard_size)
+        done = out.prepare(run_info, total)
+        writer_mode = "thread" if shard_size > 1 else choose_writer(writer, generator)
+        if shard_size > 1:
+            writer = ShardWriter(out, queue_size)
+        elif writer_mode == "process":
             describe = getattr(generator.engine, "describe", None) or (lambda t: None)
             writer = ProcessWriter(out, describe, queue_size, writer_threads, gpu_workers=tp)
         else:
@@ -248,11 +254,16 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 stats["written_new"] += len(items)
                 stats["skipped_done"] += len(batch) - len(todo)
                 t_put = time.perf_counter()
-                writer.put(items)
+                if shard_size > 1:
+                    writer.put(items, upto=n_seen)  # every index below n_seen is handed over
+                else:
+                    writer.put(items)
                 put_s += time.perf_counter() - t_put
                 bar.update(len(batch))
                 bar.set_postfix_str(f"{stats['tokens'] / max(time.time() - t_compute, 1e-9):,.0f} tok/s", refresh=False)
             stats["samples_seen"] = n_seen
+            if shard_size > 1:
+                writer.finish(n_seen)  # the last shard, however short, may be written
         finally:
             if set_slabs is not None:
                 set_slabs(0)  # later plain generate() calls hold nothing: slabs made as needed
@@ -279,7 +290,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                    "engine_start_s": round(t_compute - t0, 2),
                    "tokens_per_s": round(stats["tokens"] / max(time.time() - t_compute, 1e-9), 1),
                    "truncated": len(stats["truncated"]), "skipped_overlength": len(stats["skipped_overlength"]),
-                   "writer": writer_mode,
+                   "writer": writer_mode, **({"shard_size": shard_size} if shard_size > 1 else {}),
                    # where the time went (s): engine calls, reading input, handing batches to the
                    # writer, waiting for it while batches were in flight, and for the last writes
                    "generate_s": round(generate_s, 3), "read_s": round(read_s, 3),
@@ -342,7 +353,7 @@ def main_extract(args) -> int:
         args.model, args.input, args.output, layer_ids=args.layer_ids, batch_size=args.batch_size,
         max_samples=args.max_samples, fmt=args.format, on_overlength=args.on_overlength,
         queue_size=args.queue_size, progress=not args.no_progress, writer_threads=args.writer_threads,
-        writer=args.writer, checksum=args.checksum,
+        writer=args.writer, checksum=args.checksum, shard_size=args.shard_size,
         layer_id_convention=args.layer_id_convention, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, quantization=args.quantization,
         trust_remote_code=args.trust_remote_code, max_num_batched_tokens=args.max_num_batched_tokens,

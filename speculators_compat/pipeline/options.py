@@ -47,7 +47,13 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="output directory (data_{i}.pt + manifest.json)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-samples", type=int, default=None)
-    p.add_argument("--format", choices=("pt", "safetensors"), default="pt")
+    p.add_argument("--format", choices=("pt", "safetensors"), default="pt",
+                   help="pt: speculators' data_{i}.pt, one file a sample (its trainer reads these); "
+                        "safetensors: data_{i}.safetensors, or shards with --shard-size")
+    p.add_argument("--shard-size", type=_positive_int, default=1,
+                   help="with --format safetensors: samples per file (shard_{k}.safetensors holds samples "
+                        "[k*N, (k+1)*N); read with speculators_compat.pipeline.shards.load_shard); "
+                        "1: one file a sample")
     p.add_argument("--async-scheduling", choices=("disable", "keep"), default=None)
     p.add_argument("--on-overlength", choices=("truncate", "error", "skip"), default="truncate")
     p.add_argument("--queue-size", type=int, default=2, help="batches waiting to be written (bounds memory)")

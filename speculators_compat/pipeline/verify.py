@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .shards import SHARD_FILE_RE
 from .writer import CHECKSUMS, DATA_FILE_RE, OutputDir, file_digest
 
 
@@ -43,7 +44,7 @@ def verify_output(root: str | Path) -> dict:
         if algo is not None and file_digest(p, algo) != rec[algo]:
             problems.append(f"{name}: {algo} differs from the listed {rec[algo]} (the file changed or is corrupt)")
     for p in sorted(root.iterdir()):
-        if DATA_FILE_RE.match(p.name) and p.name not in listed:
+        if (DATA_FILE_RE.match(p.name) or SHARD_FILE_RE.match(p.name)) and p.name not in listed:
             problems.append(f"{p.name}: on disk but not listed in {source}")
     return {"source": source, "checked": len(records), "problems": problems, "ok": not problems}
 

@@ -189,9 +189,23 @@ def _safetensors_bytes(sample: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
     tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
-    for j, h in enumerate(sample["hidden_states"]):
-        tensors[f"hidden_states_{j}"] = h.contiguous()
+    tensors.update(distinct_states("hidden_states_{}", sample["hidden_states"]))
     return save(tensors)
+
+
+def distinct_states(name: str, states) -> dict[str, Any]:
+    """``{name.format(j): state}`` with every state contiguous and in memory of its own.
+    safetensors refuses to save two tensors over the same memory, and a layer id listed twice
+    gives one state twice: upstream's default ids [2, n//2, n-3, n-1] repeat 3 on a 6-layer model
+    (and 2 on a 5-layer one). A repeat is saved as a copy; the file holds both entries."""
+    out, seen = {}, set()
+    for j, h in enumerate(states):
+        h = h.contiguous()
+        if h.numel() and h.data_ptr() in seen:
+            h = h.clone()
+        seen.add(h.data_ptr())
+        out[name.format(j)] = h
+    return out
 
 
 def atomic_write(path: Path, data: bytes | memoryview) -> None:
@@ -201,15 +215,24 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
     os.replace(tmp, path)  # atomic: a crash leaves either the old state or the whole file
 
 
+def _shard_name(k: int) -> str:
+    from .shards import shard_name
+
+    return shard_name(k)
+
+
 class OutputDir:
-    def __init__(self, root: str | Path, fmt: str = "pt", checksum: str | None = None):
-        """``checksum``: see CHECKSUMS; None: the one an earlier run used here, else DEFAULT_CHECKSUM."""
+    def __init__(self, root: str | Path, fmt: str = "pt", checksum: str | None = None, shard_size: int = 1):
+        """``checksum``: see CHECKSUMS; None: the one an earlier run used here, else DEFAULT_CHECKSUM.
+        ``shard_size`` > 1: safetensors shards of that many samples (pipeline/shards.py)."""
         self.root = Path(root)
         self.fmt = fmt
         self.checksum = check_checksum(checksum)
+        self.shard_size = shard_size
 
-    def prepare(self, run_info: dict) -> set[int]:
-        """Create/validate the directory; drop partial files; return indices already complete."""
+    def prepare(self, run_info: dict, total: int | None = None) -> set[int]:
+        """Create/validate the directory; drop partial files; return indices already complete
+        (``total``: the samples this run reads, if known; it decides whether a short last shard is done)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -229,9 +252,14 @@ class OutputDir:
             earlier = next(iter(self.checksum_records().values()), None)  # an earlier run's choice
             self.checksum = (next((k for k in CHECKSUMS if k in earlier), "none") if earlier
                              else DEFAULT_CHECKSUM)
-        for p in self.root.glob(".data_*.partial"):
-            logger.info("removing partial file %s from an interrupted run", p.name)
-            p.unlink()
+        for pattern in (".data_*.partial", ".shard_*.partial"):
+            for p in self.root.glob(pattern):
+                logger.info("removing partial file %s from an interrupted run", p.name)
+                p.unlink()
+        if self.shard_size > 1:
+            from .shards import done_from_shards
+
+            return done_from_shards(self.root, self.shard_size, total)
         done = set()
         for p in self.root.iterdir():
             m = DATA_FILE_RE.match(p.name)
@@ -257,8 +285,8 @@ class OutputDir:
         files an earlier run wrote with another algorithm)."""
         sums = self.checksum_records()
         files = []
-        for i in range(n_samples):
-            name = file_name(i, self.fmt)
+        for i in range(0, n_samples, self.shard_size):
+            name = file_name(i, self.fmt) if self.shard_size == 1 else _shard_name(i // self.shard_size)
             p = self.root / name
             if not p.exists():
                 continue
@@ -266,12 +294,15 @@ class OutputDir:
             algo = self.checksum or DEFAULT_CHECKSUM
             if rec is None or rec.get("bytes") != p.stat().st_size or (algo != "none" and not rec.get(algo)):
                 rec = {"index": i, "file": name, "bytes": p.stat().st_size,
-                       "tokens": rec.get("tokens") if rec else None}
+                       "tokens": rec.get("tokens") if rec else None,
+                       **({"samples": rec["samples"]} if rec and "samples" in rec else {})}
                 if algo != "none":
                     rec[algo] = file_digest(p, algo)
             rec = {k: v for k, v in rec.items() if k not in CHECKSUMS or k == algo}
             files.append(rec)
         manifest = dict(extra)
+        if self.shard_size > 1:
+            manifest["shard_size"] = self.shard_size
         manifest.update({"format": self.fmt, "checksum": self.checksum or DEFAULT_CHECKSUM, "num_files": len(files),
                          "total_bytes": sum(f["bytes"] for f in files),
                          "total_tokens": sum(f["tokens"] or 0 for f in files), "files": files})
@@ -289,8 +320,12 @@ class _ChecksumLog:
         self.written = 0
         self.bytes = 0  # of the files this run wrote
 
-    def add(self, index: int, digest: str | None, nbytes: int, tokens: int) -> None:
-        rec = {"index": index, "file": file_name(index, self.fmt), "bytes": nbytes, "tokens": tokens}
+    def add(self, index: int, digest: str | None, nbytes: int, tokens: int, file: str | None = None,
+            samples: int | None = None) -> None:
+        """``file``/``samples``: a shard's name and sample count (its ``index`` is its first sample)."""
+        rec = {"index": index, "file": file or file_name(index, self.fmt), "bytes": nbytes, "tokens": tokens}
+        if samples is not None:
+            rec["samples"] = samples
         if digest is not None:
             rec[self.checksum] = digest
         self.f.write(json.dumps(rec) + "\n")

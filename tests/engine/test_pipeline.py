@@ -156,6 +156,43 @@ def test_safetensors_output(gen, llama_path, tmp_path):
     assert [tuple(d[f"hidden_states_{j}"].shape) for j in range(3)] == [(40, 128)] * 3
 
 
+def test_sharded_safetensors_match_the_per_sample_files_and_resume(gen, llama_path, hf_ref, tmp_path):
+    """--format safetensors --shard-size 4 with batches of 3 (shards and batches do not line up):
+    each sample's tensors equal the data_{i}.pt of a per-sample run on the same engine, its states
+    match HF, and a run cut short by --max-samples (its last shard short) resumes to the same bytes."""
+    import torch
+
+    from speculators_compat.pipeline.shards import load_shard
+    from speculators_compat.pipeline.verify import verify_output
+
+    rows = make_jsonl(tmp_path / "in.jsonl", seed=5)
+    inp = str(tmp_path / "in.jsonl")
+    kw = dict(batch_size=3, generator=gen, progress=False)
+    run_extract(llama_path, inp, str(tmp_path / "pt"), **kw)
+    s = run_extract(llama_path, inp, str(tmp_path / "sh"), fmt="safetensors", shard_size=4, **kw)
+    assert s["files"] == 4 and s["shard_size"] == 4 and s["writer"] == "thread"
+    got = {x["index"]: x for k in range(4) for x in load_shard(tmp_path / "sh" / f"shard_{k}.safetensors")}
+    assert sorted(got) == list(range(len(rows)))
+    ref = hf_ref(llama_path, LAYERS)
+    for i, row in enumerate(rows):
+        d = torch.load(tmp_path / "pt" / f"data_{i}.pt", weights_only=True)
+        assert torch.equal(got[i]["input_ids"], d["input_ids"]) and torch.equal(got[i]["loss_mask"], d["loss_mask"])
+        assert all(torch.equal(a, b) for a, b in zip(got[i]["hidden_states"], d["hidden_states"], strict=True))
+        worst, bad = reference.compare([got[i]["hidden_states"]], [row["input_ids"][:2047]], ref,
+                                       reference.TOLERANCE["float32"])
+        assert not bad, (i, worst)
+    assert verify_output(tmp_path / "sh")["ok"]
+    part = tmp_path / "part"
+    run_extract(llama_path, inp, str(part), fmt="safetensors", shard_size=4, max_samples=6, **kw)
+    r = run_extract(llama_path, inp, str(part), fmt="safetensors", shard_size=4, **kw)
+    assert r["already_done"] == 4  # shard 0: batch 0-2 skipped; 3-5 computed again, for 4 and 5 only
+    names = sorted(p.name for p in (tmp_path / "sh").iterdir() if p.name.startswith("shard_")) + ["manifest.json"]
+    assert names == sorted(p.name for p in part.iterdir() if p.name.startswith("shard_")) + ["manifest.json"]
+    for n in names:
+        assert (part / n).read_bytes() == (tmp_path / "sh" / n).read_bytes(), n
+    assert gen.engine._reader.busy() == []  # the shard writer copied its rows and let them go
+
+
 def test_bad_pipeline_inputs(gen, llama_path, tmp_path):
     from speculators_compat.pipeline.dataset import DatasetError
 

@@ -1,0 +1,213 @@
+"""Sharded safetensors output: ``extract --format safetensors --shard-size N``.
+
+Sample ``i`` goes to shard ``k = i // N``, the file ``shard_{k}.safetensors``, which holds the
+samples of ``[k*N, (k+1)*N)`` that the run produced (an over-long sample skipped with
+``--on-overlength skip`` is absent). Each sample's tensors are named by its dataset index:
+``{i}.input_ids``, ``{i}.loss_mask`` and ``{i}.hidden_states.{j}`` (j: position in the run's layer
+ids). The file's safetensors metadata key ``speculators_compat`` holds JSON with the shard's range
+(``first``, ``end``) and the indices it holds, so ``load_shard`` (or any safetensors reader) finds
+them without a manifest.
+
+Why: one file per sample costs a fixed ~0.2-0.5 ms of serialising, hashing, creating and renaming,
+whatever its size. For small hidden states (small drafts, short prompts, millions of samples) that
+fixed cost is most of the writing, and a million samples is a million files. speculators 0.3.0's
+trainer reads only ``data_{i}.pt``; shards are for readers of our own (``load_shard``) or others.
+
+Resume works by shard: a shard file is complete or absent (written to a temp name, then renamed).
+A shard is done when it covers its whole range, or, for the dataset's last shard, when it reaches
+the end of the input (``end >= total``). A last shard written by a shorter run (``--max-samples``)
+is computed again and rewritten, so a resumed dataset is byte-identical to an uninterrupted one.
+
+The shard writer holds the shard being filled (up to N samples, copied out of the engine's lent
+rows so that the engine can reuse them) on top of the write queue: host memory grows with N, not
+with the dataset.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SHARD_FILE_RE = re.compile(r"^shard_(\d+)\.safetensors$")
+SHARD_TAG = "speculators-compat-shard/1"
+
+logger = logging.getLogger("speculators_compat.pipeline")
+
+
+def shard_name(k: int) -> str:
+    return f"shard_{k}.safetensors"
+
+
+def check_shard_size(shard_size: Any, fmt: str, writer: str) -> int:
+    """The shard size, or a ValueError that names what is wrong with it."""
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"--shard-size must be an integer >= 1 (samples per file), not {shard_size!r}")
+    if shard_size > 1 and fmt != "safetensors":
+        raise ValueError(f"--shard-size {shard_size} needs --format safetensors: speculators' trainer reads one "
+                         f"data_{{i}}.pt per sample, so the pt format is never sharded")
+    if shard_size > 1 and writer == "process":
+        raise ValueError("--shard-size > 1 writes with threads: --writer process is not supported with it "
+                         "(use --writer auto or thread)")
+    return shard_size
+
+
+def read_shard_range(path: Path) -> tuple[int, int, list[int]]:
+    """(first, end, indices) from a shard's metadata; OSError/ValueError when it is not one of ours."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    info = json.loads(meta.get("speculators_compat", "{}"))
+    if info.get("format") != SHARD_TAG:
+        raise ValueError(f"{path.name} is not a speculators-compat shard (metadata {meta!r})")
+    return int(info["first"]), int(info["end"]), [int(i) for i in info["indices"]]
+
+
+def done_from_shards(root: Path, shard_size: int, total: int | None) -> set[int]:
+    """Sample indices that complete shards in ``root`` cover (see the module docstring)."""
+    done: set[int] = set()
+    for p in sorted(root.iterdir()):
+        m = SHARD_FILE_RE.match(p.name)
+        if not m:
+            continue
+        k = int(m.group(1))
+        try:
+            first, end, _ = read_shard_range(p)
+        except Exception as e:  # a foreign or damaged file: computed again and replaced
+            logger.warning("shard %s is unreadable (%s): its samples are computed again", p.name, e)
+            continue
+        if first != k * shard_size or end > first + shard_size:
+            raise ValueError(f"{p.name} covers samples [{first}, {end}), which is not shard {k} of size {shard_size}")
+        if end == first + shard_size or (total is not None and end >= total):
+            done.update(range(first, end))
+        else:
+            logger.info("shard %s stops at sample %d, short of its range: it is computed again", p.name, end)
+    return done
+
+
+def shard_bytes(samples: list[tuple[int, dict]], first: int, end: int) -> bytes:
+    """One shard's file contents (safetensors), from (index, sample) pairs in index order."""
+    from safetensors.torch import save
+
+    from .writer import distinct_states
+
+    tensors = {}
+    for i, s in samples:
+        tensors[f"{i}.input_ids"] = s["input_ids"].contiguous()
+        tensors[f"{i}.loss_mask"] = s["loss_mask"].contiguous()
+        tensors.update(distinct_states(f"{i}.hidden_states.{{}}", s["hidden_states"]))
+    # one metadata key: safetensors writes a metadata map's keys in no fixed order (seen with
+    # 0.8.0: 12 orders in 20 saves of one map), and a resumed shard must be byte-identical
+    info = {"format": SHARD_TAG, "first": first, "end": end, "indices": [i for i, _ in samples]}
+    return save(tensors, metadata={"speculators_compat": json.dumps(info, sort_keys=True)})
+
+
+def load_shard(path: str | Path) -> list[dict[str, Any]]:
+    """The samples of one shard, in index order: dicts with ``index``, ``input_ids``,
+    ``hidden_states`` (a list, one tensor per layer id) and ``loss_mask``, as in ``data_{i}.pt``."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    _, _, indices = read_shard_range(path)
+    t = load_file(str(path))
+    out = []
+    for i in indices:
+        n = sum(1 for k in t if k.startswith(f"{i}.hidden_states."))
+        out.append({"index": i, "input_ids": t[f"{i}.input_ids"], "loss_mask": t[f"{i}.loss_mask"],
+                    "hidden_states": [t[f"{i}.hidden_states.{j}"] for j in range(n)]})
+    return out
+
+
+class ShardWriter:
+    """Like BackgroundWriter (put / check / close, the same counters), but groups samples into
+    shards. ``put(items, upto)`` says that every index below ``upto`` has been handed over: the
+    shards below it are written then. ``finish(n)`` lets the last shard, which ends at ``n``, be
+    written at ``close()``; after an error nothing incomplete is written (the run resumes it)."""
+
+    def __init__(self, out, queue_size: int = 2):
+        from .writer import _ChecksumLog
+
+        self.out, self.size = out, out.shard_size
+        self.q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        self.error: BaseException | None = None
+        self.wait_s = self.tail_s = self.start_wait_s = 0.0
+        self._sums = _ChecksumLog(out)
+        self._pending: dict[int, list[tuple[int, dict]]] = {}  # shard -> its samples so far (owned copies)
+        self._end: int | None = None
+        self._t = threading.Thread(target=self._loop, name="speculators-compat-shards", daemon=True)
+        self._t.start()
+
+    def put(self, items: list[tuple[int, dict]], upto: int | None = None) -> None:
+        self.check()
+        t = time.perf_counter()
+        self.q.put((items, upto))
+        self.wait_s += time.perf_counter() - t
+
+    def finish(self, n_samples: int) -> None:
+        """The run read ``n_samples`` samples and handed over all it will: the last shard may go."""
+        self._end = n_samples
+
+    def check(self) -> None:
+        from .writer import OutputError
+
+        if self.error is not None:
+            raise OutputError(f"writing to {self.out.root} failed: {self.error}") from self.error
+
+    @property
+    def written(self) -> int:
+        return self._sums.written
+
+    @property
+    def bytes_written(self) -> int:
+        return self._sums.bytes
+
+    def _loop(self) -> None:
+        while True:
+            msg = self.q.get()
+            if msg is None:
+                return
+            if self.error is not None:
+                continue  # drain: never block the producer after a failure
+            items, upto = msg
+            try:
+                for i, s in items:  # owned copies: the engine's lent rows go back at once
+                    own = {"input_ids": s["input_ids"].clone(), "loss_mask": s["loss_mask"].clone(),
+                           "hidden_states": [h.clone() for h in s["hidden_states"]]}
+                    self._pending.setdefault(i // self.size, []).append((i, own))
+                if upto is not None:
+                    self._flush(upto, final=False)
+            except BaseException as e:  # disk full, permissions: surfaced to the producer by check()
+                self.error = e
+
+    def _flush(self, upto: int, final: bool) -> None:
+        from .writer import atomic_write, new_digest
+
+        for k in sorted(self._pending):
+            first = k * self.size
+            end = min(first + self.size, upto)
+            if not final and end < first + self.size:
+                break  # this shard still waits for samples
+            samples = sorted(self._pending.pop(k), key=lambda x: x[0])
+            data = shard_bytes(samples, first, end)
+            atomic_write(self.out.root / shard_name(k), data)
+            digest = new_digest(self._sums.checksum, data).hexdigest()
+            self._sums.add(first, digest, len(data), sum(int(s["input_ids"].numel()) for _, s in samples),
+                           file=shard_name(k), samples=len(samples))
+
+    def close(self) -> None:
+        t = time.perf_counter()
+        self.q.put(None)
+        self._t.join()
+        try:
+            if self.error is None and self._end is not None and self._pending:
+                self._flush(self._end, final=True)
+        except BaseException as e:
+            self.error = e
+        self.tail_s = time.perf_counter() - t
+        self._sums.close()
+        self.check()
