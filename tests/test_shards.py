@@ -20,11 +20,11 @@ def sample(i, n=None):
             "hidden_states": [torch.randn(n, 8, generator=g).to(torch.bfloat16) for _ in range(3)]}
 
 
-def write(root, indices, size, batch=4, n_seen=None, total=None, finish=True):
+def write(root, indices, size, batch=4, n_seen=None, total=None, finish=True, threads=2):
     """Hand samples over as the pipeline does: fixed batches, ``upto`` after each."""
     out = OutputDir(root, "safetensors", shard_size=size)
     done = out.prepare({"m": 1, "shard_size": size}, total)
-    w = ShardWriter(out, queue_size=2)
+    w = ShardWriter(out, queue_size=2, threads=threads)
     todo = [i for i in indices if i not in done]
     end = n_seen if n_seen is not None else max(indices) + 1
     for b in range(0, end, batch):
@@ -38,8 +38,9 @@ def write(root, indices, size, batch=4, n_seen=None, total=None, finish=True):
     return out, w, done
 
 
-def test_shards_hold_their_samples_by_index(tmp_path):
-    out, w, _ = write(tmp_path, list(range(11)), size=4)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_shards_hold_their_samples_by_index(tmp_path, threads):
+    out, w, _ = write(tmp_path, list(range(11)), size=4, threads=threads)
     assert sorted(p.name for p in tmp_path.glob("shard_*")) == ["shard_0.safetensors", "shard_1.safetensors",
                                                                "shard_2.safetensors"]
     assert w.written == 3
@@ -78,13 +79,13 @@ def test_a_sample_left_out_leaves_a_gap_not_a_shift(tmp_path):
 
 def test_resume_rewrites_a_short_last_shard_to_the_same_bytes(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    write(full, list(range(10)), size=4)
+    write(full, list(range(10)), size=4, threads=1)  # (threads: the bytes do not depend on them)
     write(part, list(range(6)), size=4)  # a --max-samples 6 run: shard 1 stops at 6
     assert read_shard_range(part / "shard_1.safetensors")[:2] == (4, 6)
     assert done_from_shards(part, 4, total=6) == set(range(6))  # the same run again: nothing to do
     assert done_from_shards(part, 4, total=10) == set(range(4))  # a longer one redoes shard 1
     assert done_from_shards(part, 4, total=None) == set(range(4))  # (length unknown: redone too)
-    _, _, done = write(part, list(range(10)), size=4, total=10)
+    _, _, done = write(part, list(range(10)), size=4, total=10, threads=3)
     assert done == set(range(4))
     names = sorted(p.name for p in full.iterdir() if p.name.startswith("shard_") or p.name == "manifest.json")
     assert names == sorted(p.name for p in part.iterdir() if p.name.startswith("shard_") or p.name == "manifest.json")

@@ -187,7 +187,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
         done = out.prepare(run_info, total)
         writer_mode = "thread" if shard_size > 1 else choose_writer(writer, generator)
         if shard_size > 1:
-            writer = ShardWriter(out, queue_size)
+            writer = ShardWriter(out, queue_size, writer_threads)
         elif writer_mode == "process":
             describe = getattr(generator.engine, "describe", None) or (lambda t: None)
             writer = ProcessWriter(out, describe, queue_size, writer_threads, gpu_workers=tp)

@@ -18,8 +18,9 @@ A shard is done when it covers its whole range, or, for the dataset's last shard
 the end of the input (``end >= total``). A last shard written by a shorter run (``--max-samples``)
 is computed again and rewritten, so a resumed dataset is byte-identical to an uninterrupted one.
 
-Shards are written on one thread: on the H200 host (1.1B model, bf16) that was 392 MiB/s, and the
-pipeline kept 0.089 of ``generate()`` against 0.901 with ``data_{i}.pt`` from the writer processes
+Complete shards are written on a pool of threads (``--writer-threads``, default half the CPUs,
+2..8). With one thread, on the H200 host (1.1B model, bf16), that was 392 MiB/s, and the pipeline
+kept 0.089 of ``generate()`` against 0.901 with ``data_{i}.pt`` from the writer processes
 (docs/gpu/bench-session14-shards.json). States of several MB a sample gain nothing from sharing a
 file; shards are for small ones.
 
@@ -134,9 +135,20 @@ class ShardWriter:
     shards below it are written then. ``finish(n)`` lets the last shard, which ends at ``n``, be
     written at ``close()``; after an error nothing incomplete is written (the run resumes it)."""
 
-    def __init__(self, out, queue_size: int = 2):
-        from .writer import _ChecksumLog
+    def __init__(self, out, queue_size: int = 2, threads: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
 
+        from .writer import _ChecksumLog, default_writer_threads
+
+        n = threads if threads is not None else default_writer_threads()
+        if n < 1:
+            raise ValueError(f"writer threads must be >= 1, not {n}")
+        # complete shards are written on n threads at once (building a file, hashing and writing
+        # it largely release the GIL); at most n are in flight, which bounds the memory they hold
+        self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="speculators-compat-shard")
+        self._inflight: list = []
+        self._max_inflight = n
+        self._lock = threading.Lock()
         self.out, self.size = out, out.shard_size
         self.q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.error: BaseException | None = None
@@ -190,17 +202,43 @@ class ShardWriter:
                 self.error = e
 
     def _flush(self, upto: int, final: bool) -> None:
-        from .writer import atomic_write, new_digest
-
         for k in sorted(self._pending):
             first = k * self.size
             end = min(first + self.size, upto)
             if not final and end < first + self.size:
                 break  # this shard still waits for samples
             samples = sorted(self._pending.pop(k), key=lambda x: x[0])
-            data = shard_bytes(samples, first, end)
-            atomic_write(self.out.root / shard_name(k), data)
-            digest = new_digest(self._sums.checksum, data).hexdigest()
+            self._wait_for_room()
+            self._inflight.append(self._pool.submit(self._write_shard, k, samples, first, end))
+
+    def _wait_for_room(self, all_: bool = False) -> None:
+        """Collect finished shard writes (re-raising the first failure); wait while the pool is full
+        (or, with ``all_``, until every write has finished)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        while self._inflight:
+            for f in [f for f in self._inflight if f.done()]:
+                self._inflight.remove(f)
+                f.result()
+            if not all_ and len(self._inflight) < self._max_inflight:
+                return
+            if self._inflight:
+                wait(self._inflight, return_when=FIRST_COMPLETED)
+
+    def _write_shard(self, k: int, samples: list[tuple[int, dict]], first: int, end: int) -> None:
+        try:
+            self._write_shard_now(k, samples, first, end)
+        except BaseException as e:  # seen by the producer's next put(), not only by the next flush
+            self.error = self.error or e
+            raise
+
+    def _write_shard_now(self, k: int, samples: list[tuple[int, dict]], first: int, end: int) -> None:
+        from .writer import atomic_write, new_digest
+
+        data = shard_bytes(samples, first, end)
+        atomic_write(self.out.root / shard_name(k), data)
+        digest = new_digest(self._sums.checksum, data).hexdigest()
+        with self._lock:
             self._sums.add(first, digest, len(data), sum(int(s["input_ids"].numel()) for _, s in samples),
                            file=shard_name(k), samples=len(samples))
 
@@ -213,6 +251,13 @@ class ShardWriter:
                 self._flush(self._end, final=True)
         except BaseException as e:
             self.error = e
+        while True:  # every shard already handed to the pool is finished, even after an error
+            try:
+                self._wait_for_room(all_=True)
+                break
+            except BaseException as e:
+                self.error = self.error or e
+        self._pool.shutdown(wait=True)
         self.tail_s = time.perf_counter() - t
         self._sums.close()
         self.check()
