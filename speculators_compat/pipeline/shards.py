@@ -24,9 +24,9 @@ Complete shards are written on a pool of threads (``--writer-threads``, default 
 the writer processes (docs/gpu-results.md section 16): the threads share the GIL with the driver. States of several MB a sample gain nothing from sharing a
 file; shards are for small ones.
 
-The shard writer holds the shard being filled (up to N samples, copied out of the engine's lent
-rows so that the engine can reuse them) on top of the write queue: host memory grows with N, not
-with the dataset.
+The shard writer holds the shard being filled and at most one shard per writer thread being
+written (each up to N samples, copied out of the engine's lent rows so that the engine can reuse
+them) on top of the write queue: host memory grows with N and the threads, not with the dataset.
 """
 from __future__ import annotations
 
