@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .writer import _Writer
+
 SHARD_FILE_RE = re.compile(r"^shard_(\d+)\.safetensors$")
 SHARD_TAG = "speculators-compat-shard/1"
 
@@ -129,7 +131,7 @@ def load_shard(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-class ShardWriter:
+class ShardWriter(_Writer):
     """Like BackgroundWriter (put / check / close, the same counters), but groups samples into
     shards. ``put(items, upto)`` says that every index below ``upto`` has been handed over: the
     shards below it are written then. ``finish(n)`` lets the last shard, which ends at ``n``, be
@@ -168,20 +170,6 @@ class ShardWriter:
     def finish(self, n_samples: int) -> None:
         """The run read ``n_samples`` samples and handed over all it will: the last shard may go."""
         self._end = n_samples
-
-    def check(self) -> None:
-        from .writer import OutputError
-
-        if self.error is not None:
-            raise OutputError(f"writing to {self.out.root} failed: {self.error}") from self.error
-
-    @property
-    def written(self) -> int:
-        return self._sums.written
-
-    @property
-    def bytes_written(self) -> int:
-        return self._sums.bytes
 
     def _loop(self) -> None:
         while True:

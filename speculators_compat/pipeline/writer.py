@@ -347,7 +347,26 @@ def default_writer_threads() -> int:
     return min(8, max(min(2, cpus), cpus // 2))
 
 
-class BackgroundWriter:
+class _Writer:
+    """What the pipeline's writers share: the first failure, which ``check()`` raises to the
+    producer, and the counts of what this run wrote (from its checksum log)."""
+
+    error: BaseException | None = None
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise OutputError(f"writing to {self.out.root} failed: {self.error}") from self.error
+
+    @property
+    def written(self) -> int:
+        return self._sums.written
+
+    @property
+    def bytes_written(self) -> int:
+        return self._sums.bytes
+
+
+class BackgroundWriter(_Writer):
     """Writes (index, sample) items on a thread; ``queue_size`` bounds what waits in memory."""
 
     def __init__(self, out: OutputDir, queue_size: int = 2, threads: int | None = None):
@@ -379,10 +398,6 @@ class BackgroundWriter:
         self.q.put(items)
         self.wait_s += time.perf_counter() - t
 
-    def check(self) -> None:
-        if self.error is not None:
-            raise OutputError(f"writing to {self.out.root} failed: {self.error}") from self.error
-
     def _loop(self) -> None:
         while True:
             items = self.q.get()
@@ -399,14 +414,6 @@ class BackgroundWriter:
                         f.result()  # re-raises the first failure
             except BaseException as e:  # disk full, permissions: surfaced to the producer by check()
                 self.error = e
-
-    @property
-    def written(self) -> int:
-        return self._sums.written
-
-    @property
-    def bytes_written(self) -> int:
-        return self._sums.bytes
 
     def _write_one(self, item: tuple[int, dict]) -> None:
         index, sample = item
@@ -742,7 +749,7 @@ def shutdown_writer_pool(graceful: bool = True) -> None:
 atexit.register(shutdown_writer_pool)  # let the processes finish and exit before the interpreter
 
 
-class ProcessWriter:
+class ProcessWriter(_Writer):
     """Writes samples in separate processes, free of the driver's GIL.
 
     Why: the engine's driver thread spins on vLLM's shared-memory queue while the GPU works, and
@@ -786,10 +793,6 @@ class ProcessWriter:
                 w.send("ping")
 
     # -------------------------------------------------------------- producer side
-    def check(self) -> None:
-        if self.error is not None:
-            raise OutputError(f"writing to {self.out.root} failed: {self.error}") from self.error
-
     def put(self, items: list[tuple[int, dict]]) -> None:
         """Queue one batch's samples (blocks while ``queue_size + 1`` batches are in flight)."""
         import numpy as np
@@ -838,7 +841,7 @@ class ProcessWriter:
     # -------------------------------------------------------------- results
     @property
     def written(self) -> int:
-        self._poll(0)
+        self._poll(0)  # (results that arrived since the last look)
         return self._sums.written
 
     @property
