@@ -172,22 +172,16 @@ class ShardWriter(_Writer):
         self._end = n_samples
 
     def _loop(self) -> None:
-        while True:
-            msg = self.q.get()
-            if msg is None:
-                return
-            if self.error is not None:
-                continue  # drain: never block the producer after a failure
-            items, upto = msg
-            try:
-                for i, s in items:  # owned copies: the engine's lent rows go back at once
-                    own = {"input_ids": s["input_ids"].clone(), "loss_mask": s["loss_mask"].clone(),
-                           "hidden_states": [h.clone() for h in s["hidden_states"]]}
-                    self._pending.setdefault(i // self.size, []).append((i, own))
-                if upto is not None:
-                    self._flush(upto, final=False)
-            except BaseException as e:  # disk full, permissions: surfaced to the producer by check()
-                self.error = e
+        self._consume(self._take)
+
+    def _take(self, msg: tuple[list[tuple[int, dict]], int | None]) -> None:
+        items, upto = msg
+        for i, s in items:  # owned copies: the engine's lent rows go back at once
+            own = {"input_ids": s["input_ids"].clone(), "loss_mask": s["loss_mask"].clone(),
+                   "hidden_states": [h.clone() for h in s["hidden_states"]]}
+            self._pending.setdefault(i // self.size, []).append((i, own))
+        if upto is not None:
+            self._flush(upto, final=False)
 
     def _flush(self, upto: int, final: bool) -> None:
         for k in sorted(self._pending):

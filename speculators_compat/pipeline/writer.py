@@ -365,6 +365,21 @@ class _Writer:
     def bytes_written(self) -> int:
         return self._sums.bytes
 
+    def _consume(self, handle) -> None:
+        """A writer thread's loop: ``handle`` each message from ``self.q`` until None. The first
+        failure (disk full, permissions) is kept for ``check()``; later messages are drained
+        unhandled, so the producer never blocks on a queue nobody empties."""
+        while True:
+            msg = self.q.get()
+            if msg is None:
+                return
+            if self.error is not None:
+                continue
+            try:
+                handle(msg)
+            except BaseException as e:
+                self.error = e
+
 
 class BackgroundWriter(_Writer):
     """Writes (index, sample) items on a thread; ``queue_size`` bounds what waits in memory."""
@@ -399,21 +414,15 @@ class BackgroundWriter(_Writer):
         self.wait_s += time.perf_counter() - t
 
     def _loop(self) -> None:
-        while True:
-            items = self.q.get()
-            if items is None:
-                return
-            if self.error is not None:
-                continue  # drain: never block the producer after a failure
-            try:
-                if self._pool is None:
-                    for item in items:
-                        self._write_one(item)
-                else:
-                    for f in [self._pool.submit(self._write_one, item) for item in items]:
-                        f.result()  # re-raises the first failure
-            except BaseException as e:  # disk full, permissions: surfaced to the producer by check()
-                self.error = e
+        self._consume(self._write_batch)
+
+    def _write_batch(self, items: list[tuple[int, dict]]) -> None:
+        if self._pool is None:
+            for item in items:
+                self._write_one(item)
+        else:
+            for f in [self._pool.submit(self._write_one, item) for item in items]:
+                f.result()  # re-raises the first failure
 
     def _write_one(self, item: tuple[int, dict]) -> None:
         index, sample = item
