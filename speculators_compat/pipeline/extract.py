@@ -254,16 +254,12 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 stats["written_new"] += len(items)
                 stats["skipped_done"] += len(batch) - len(todo)
                 t_put = time.perf_counter()
-                if shard_size > 1:
-                    writer.put(items, upto=n_seen)  # every index below n_seen is handed over
-                else:
-                    writer.put(items)
+                writer.put(items, upto=n_seen)  # every index below n_seen is handed over
                 put_s += time.perf_counter() - t_put
                 bar.update(len(batch))
                 bar.set_postfix_str(f"{stats['tokens'] / max(time.time() - t_compute, 1e-9):,.0f} tok/s", refresh=False)
             stats["samples_seen"] = n_seen
-            if shard_size > 1:
-                writer.finish(n_seen)  # the last shard, however short, may be written
+            writer.finish(n_seen)  # (shards: the last one, however short, may be written)
         finally:
             if set_slabs is not None:
                 set_slabs(0)  # later plain generate() calls hold nothing: slabs made as needed

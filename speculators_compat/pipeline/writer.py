@@ -365,6 +365,10 @@ class _Writer:
     def bytes_written(self) -> int:
         return self._sums.bytes
 
+    def finish(self, n_samples: int) -> None:
+        """The run handed over all it will (``n_samples`` read). Only the shard writer needs to
+        know; ``upto`` in ``put`` likewise (every index below it has been handed over)."""
+
     def _consume(self, handle) -> None:
         """A writer thread's loop: ``handle`` each message from ``self.q`` until None. The first
         failure (disk full, permissions) is kept for ``check()``; later messages are drained
@@ -404,7 +408,7 @@ class BackgroundWriter(_Writer):
         self._t = threading.Thread(target=self._loop, name="speculators-compat-writer", daemon=True)
         self._t.start()
 
-    def put(self, items: list[tuple[int, dict]]) -> None:
+    def put(self, items: list[tuple[int, dict]], upto: int | None = None) -> None:
         """Queue one batch's samples (blocks while the queue is full); re-raises a writer failure."""
         import time
 
@@ -802,7 +806,7 @@ class ProcessWriter(_Writer):
                 w.send("ping")
 
     # -------------------------------------------------------------- producer side
-    def put(self, items: list[tuple[int, dict]]) -> None:
+    def put(self, items: list[tuple[int, dict]], upto: int | None = None) -> None:
         """Queue one batch's samples (blocks while ``queue_size + 1`` batches are in flight)."""
         import numpy as np
 
