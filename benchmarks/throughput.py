@@ -68,6 +68,8 @@ def main(argv=None) -> int:
                     "on a thread (1, its default) or in line (0)")
     ap.add_argument("--writer-nice", default=None, help="e.g. '0,idle': the writer processes' priority "
                     "(SPECULATORS_COMPAT_WRITER_NICE: a niceness increment or idle)")
+    ap.add_argument("--pt-writers", default=None, help="e.g. 'direct,torch': how data_{i}.pt files are made "
+                    "(SPECULATORS_COMPAT_PT_WRITER: the direct encoder, the default, or torch.save)")
     ap.add_argument("--checksums", default="crc32", help="e.g. 'crc32,sha256': the pipeline's file checksum "
                     "(crc32 is the pipeline's default)")
     ap.add_argument("--formats", default="pt", help="e.g. 'pt,safetensors': the pipeline's output format")
@@ -135,9 +137,12 @@ def main(argv=None) -> int:
 
     breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
 
-    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, ck="crc32", fmt="pt", shard=1):
+    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, ck="crc32", fmt="pt", shard=1,
+                    ptw=None):
         if nice is not None:  # read when the writer processes start (a change restarts them)
             os.environ["SPECULATORS_COMPAT_WRITER_NICE"] = nice
+        if ptw is not None:  # the same
+            os.environ["SPECULATORS_COMPAT_PT_WRITER"] = ptw
         if wm == "process" or (wm == "auto" and cuda):  # a new pool size restarts the processes:
             from speculators_compat.pipeline.writer import writer_pool  # start them outside the timing
 
@@ -199,6 +204,7 @@ def main(argv=None) -> int:
     ras = [int(x) for x in a.read_ahead.split(",")]
     nices = a.writer_nice.split(",") if a.writer_nice else [None]
     cks = a.checksums.split(",")
+    ptws = a.pt_writers.split(",") if a.pt_writers else [None]
     fmts = a.formats.split(",")
     shards = [int(x) for x in a.shard_sizes.split(",")]
     outputs = [(f, n) for f in fmts for n in shards if n == 1 or f == "safetensors"]
@@ -207,18 +213,18 @@ def main(argv=None) -> int:
 
     def time_pipelines(gen, tag):  # every pipeline variant asked for, once each
         timed = set()
-        for wt, wm, ra, nice, ck, (fmt, shard) in itertools.product(wts, wms, ras, nices, cks, outputs):
+        for wt, wm, ra, nice, ck, (fmt, shard), ptw in itertools.product(wts, wms, ras, nices, cks, outputs, ptws):
             if shard > 1:  # shards are written on a thread, whatever --writer-modes says: once
                 wm = "thread"
             name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
                     + (f"[{fmt}]" if len(fmts) > 1 else "") + (f"[s{shard}]" if len(shards) > 1 else "")
                     + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else "")
-                    + (f"[{ck}]" if len(cks) > 1 else ""))
+                    + (f"[{ck}]" if len(cks) > 1 else "") + (f"[{ptw}]" if len(ptws) > 1 else ""))
             if name in timed:
                 continue
             timed.add(name)
             pipeline_tag[name] = tag
-            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, ck, fmt, shard))
+            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, ck, fmt, shard, ptw))
 
     from speculators_compat.engine.driver_wait import driver_wait_from_env
 
