@@ -154,8 +154,8 @@ def test_default_writer_threads_scale_with_cpus(monkeypatch):
 
 @pytest.mark.parametrize("rows", [128, 1500])  # under and over SMALL_SAMPLE_BYTES (hidden 256, 2 layers)
 def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch, rows):
-    """Small samples are serialised in memory and written once; big ones stream through the hash.
-    Both must write the same bytes (a resumed run stays byte-identical across the threshold) and
+    """With torch.save, small samples are serialised in memory and written once; big ones stream
+    through the hash. Both, and the direct encoder, must write the same bytes (a resumed run stays byte-identical across the threshold) and
     report that file's checksum and size."""
     import hashlib
 
@@ -166,15 +166,16 @@ def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch,
     sample = {"input_ids": torch.arange(rows), "loss_mask": torch.ones(rows, dtype=torch.long),
               "hidden_states": [torch.randn(rows, 256, generator=g).bfloat16() for _ in range(2)]}
     got = {}
-    for name, limit in [("memory", 1 << 40), ("stream", 0)]:
+    for name, limit, pt_writer in [("memory", 1 << 40, "torch"), ("stream", 0, "torch"), ("direct", 0, "direct")]:
         monkeypatch.setattr(writer, "SMALL_SAMPLE_BYTES", limit)
+        monkeypatch.setenv("SPECULATORS_COMPAT_PT_WRITER", pt_writer)
         p = tmp_path / f"data_{name}.pt"
         digest, n = writer.write_sample(p, sample, "pt", "sha256")
         data = p.read_bytes()
         assert (digest, n) == (hashlib.sha256(data).hexdigest(), len(data))
         assert not list(tmp_path.glob(".*partial"))
         got[name] = data
-    assert got["memory"] == got["stream"]
+    assert got["memory"] == got["stream"] == got["direct"]
     back = torch.load(tmp_path / "data_memory.pt", weights_only=True)
     assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], sample["hidden_states"]))
 
@@ -392,8 +393,9 @@ def test_process_writer_failure_names_the_sample(tmp_path):
         bw.close()
 
 
+@pytest.mark.parametrize("pt_writer", ["torch", "direct"])
 @pytest.mark.parametrize("rows", [3, 4096])  # in-memory and streamed writes
-def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows):
+def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows, pt_writer, monkeypatch):
     """torch.save in torch 2.8 and 2.9 leaves a garbage cycle that references every storage it
     saved (a per-call pickler class; so this fails there without the fix, not on torch >= 2.10). write_sample saves aliases, so the caller's storage dies as soon as the
     caller drops it, with the GC off; the file's bytes are those torch.save gives the original."""
@@ -411,6 +413,7 @@ def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows):
     h = torch.from_numpy(buf).view(rows, 64)
     # (h twice: torch.save stores one storage for both, and so must the aliases)
     sample = {"input_ids": torch.arange(rows), "hidden_states": [h, h[:1].clone(), h], "loss_mask": torch.ones(rows)}
+    monkeypatch.setenv("SPECULATORS_COMPAT_PT_WRITER", pt_writer)
     ref = io.BytesIO()  # (write_sample saves to unnamed files too: the archive inside gets one name)
     torch.save(sample, ref)
     gc.collect()  # (that save's own cycle)
