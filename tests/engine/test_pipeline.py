@@ -1,5 +1,6 @@
 """``speculators-compat extract`` end to end on the real engine: speculators' layout, HF-exact
 states, resume to a byte-identical dataset, and a killed worker."""
+import io
 import json
 import os
 import signal
@@ -51,7 +52,11 @@ def test_layout_states_and_speculators_loader(gen, llama_path, hf_ref, tmp_path)
     assert manifest["num_files"] == len(rows) and manifest["layer_ids"] == LAYERS
     ref = hf_ref(llama_path, LAYERS)
     for i, row in enumerate(rows):
-        d = torch.load(out / f"data_{i}.pt", weights_only=True)
+        data = (out / f"data_{i}.pt").read_bytes()
+        d = torch.load(io.BytesIO(data), weights_only=True)
+        again = io.BytesIO()
+        torch.save(d, again)  # the file is what torch.save writes for its own contents
+        assert again.getvalue() == data, i
         ids = row["input_ids"][:2047]
         assert d["input_ids"].tolist() == ids
         want_mask = row.get("loss_mask", [1] * len(ids))[:2047]
@@ -70,13 +75,17 @@ def test_layout_states_and_speculators_loader(gen, llama_path, hf_ref, tmp_path)
     assert item["verifier_last_hidden_states"].shape[-1] == 128
 
 
-def test_resume_is_byte_identical(gen, llama_path, tmp_path):
+def test_resume_is_byte_identical(gen, llama_path, tmp_path, monkeypatch):
+    """The interrupted run writes its files by torch.save, the full run and the resume build them
+    directly (SPECULATORS_COMPAT_PT_WRITER): the datasets must still be byte-identical."""
     make_jsonl(tmp_path / "in.jsonl", seed=1)
     full, part = tmp_path / "full", tmp_path / "part"
     run_extract(llama_path, str(tmp_path / "in.jsonl"), str(full), batch_size=4, generator=gen, progress=False)
     # an interrupted run: the first 6 samples (batch 2 half done), then a crash leftover
+    monkeypatch.setenv("SPECULATORS_COMPAT_PT_WRITER", "torch")
     run_extract(llama_path, str(tmp_path / "in.jsonl"), str(part), batch_size=4, generator=gen, progress=False,
                 max_samples=6)
+    monkeypatch.setenv("SPECULATORS_COMPAT_PT_WRITER", "direct")
     (part / "data_5.pt").unlink()
     (part / ".data_5.pt.partial").write_bytes(b"torn")
     s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(part), batch_size=4, generator=gen, progress=False)
