@@ -25,6 +25,8 @@ The archive torch.save writes (the "zip" serialization, torch >= 1.6), as observ
 """
 from __future__ import annotations
 
+import ctypes
+import io
 import logging
 import os
 import pickle
@@ -77,6 +79,14 @@ class _Tensor:
         return _rebuild_tensor_v2, self.args
 
 
+def owns_its_storage(t) -> bool:
+    """``t`` is exactly its storage's bytes (contiguous, from offset 0, nothing more): the states
+    the torch.save path saves through an alias (``writer._unowned_states``)."""
+    nbytes = t.numel() * t.element_size()
+    return (nbytes > 0 and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == nbytes)
+
+
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj):
         return obj.pid if type(obj) is _Storage else None
@@ -102,19 +112,18 @@ class Encoder:
     # a repeated layer twice) are saved once and referenced twice, as the thread writer's one
     # object is. Other tensors (views) are saved as torch.save saves them: per tensor object, each
     # storage once.
-    def _stand_in(self, t, storages: dict):
-        """A :class:`_Tensor` for ``t``, or None where torch.save would pickle ``t`` differently."""
+    def _stand_in(self, t, storages: dict, alias: tuple | None):
+        """A :class:`_Tensor` for ``t``, or None where torch.save would pickle ``t`` differently.
+        ``alias``: the key the torch.save path would alias ``t`` under, if any."""
         import torch
 
-        if (type(t) is not torch.Tensor or t.layout is not torch.strided or t.device.type != "cpu"
-                or t.requires_grad or t.is_conj() or t.is_neg() or t.dtype not in self._storage_types
-                or t.__dict__):
+        if (t.layout is not torch.strided or t.device.type != "cpu" or t.requires_grad or t.is_conj()
+                or t.is_neg() or t.dtype not in self._storage_types or t.__dict__):
             return None
         st = t.untyped_storage()
         nbytes = st.nbytes()
         numel = nbytes // t.element_size()
-        exact = t.is_contiguous() and t.storage_offset() == 0 and nbytes == t.numel() * t.element_size() > 0
-        ident = ("alias", st.data_ptr(), t.dtype, tuple(t.shape)) if exact else ("storage", st._cdata)
+        ident = alias or ("storage", st._cdata)
         got = storages.get(ident)
         if got is None:
             got = storages[ident] = (str(len(storages)), st.data_ptr(), nbytes)
@@ -130,17 +139,18 @@ class Encoder:
         made: dict = {}  # one stand-in per tensor object (or alias): a repeat pickles as a reference
 
         def conv(v):
-            if isinstance(v, torch.Tensor):
-                exact = (type(v) is torch.Tensor and v.is_contiguous() and v.storage_offset() == 0
-                         and v.untyped_storage().nbytes() == v.numel() * v.element_size() > 0)
-                memo = ("alias", v.data_ptr(), v.dtype, tuple(v.shape)) if exact else id(v)
+            if type(v) is torch.Tensor:
+                alias = ("alias", v.data_ptr(), v.dtype, tuple(v.shape)) if owns_its_storage(v) else None
+                memo = alias or id(v)
                 s = made.get(memo)
                 if s is None:
-                    s = self._stand_in(v, storages)
+                    s = self._stand_in(v, storages, alias)
                     if s is None:
                         raise _Decline
                     made[memo] = s
                 return s
+            if isinstance(v, torch.Tensor):  # a subclass: its own reduction
+                raise _Decline
             if type(v) is list:
                 return [conv(x) for x in v]
             if type(v) in (str, int, float, bool) or v is None:
@@ -153,8 +163,6 @@ class Encoder:
             return None
         if len(obj) != len(sample):
             return None
-        import io
-
         buf = io.BytesIO()
         _Pickler(buf, protocol=2).dump(obj)
         return buf.getvalue(), list(storages.values())
@@ -163,8 +171,6 @@ class Encoder:
     def encode(self, sample: dict) -> list | None:
         """The file's bytes as a list of buffers (header bytes and views of the tensors' memory,
         which must stay alive and unchanged until written), or None: then use torch.save."""
-        import ctypes
-
         got = self._pickle(sample)
         if got is None:
             return None
@@ -237,8 +243,6 @@ class _Decline(Exception):
 
 
 def _torch_save(obj) -> bytes:
-    import io
-
     import torch
 
     buf = io.BytesIO()
@@ -247,7 +251,6 @@ def _torch_save(obj) -> bytes:
 
 
 def _records(data: bytes) -> dict[str, bytes]:
-    import io
     import zipfile
 
     with zipfile.ZipFile(io.BytesIO(data)) as z:
@@ -274,17 +277,17 @@ def _build() -> tuple[Encoder | None, str]:
     except ImportError:
         return None, "torch is not installed"
     try:
-        probe = _probes()[0]
-        names = list(_records(_torch_save(probe)))
+        probes = _probes()
+        recs = _records(_torch_save(probes[0]))
+        names = list(recs)
         stores = [n for n in names if n.startswith("data/")]
         first, last = names.index(stores[0]), names.index(stores[-1])
         if names[0] != "data.pkl" or names[-1] != ".data/serialization_id":
             return None, f"torch {torch.__version__} writes records {names}, not the layout this encoder knows"
-        recs = _records(_torch_save(probe))
-        many = [n for n in _records(_torch_save(_probes()[2])) if n.startswith("data/")]  # 14 storages
+        many = [n for n in _records(_torch_save(probes[2])) if n.startswith("data/")]  # 14 storages
         enc = Encoder([(n, recs[n]) for n in names[1:first]], [(n, recs[n]) for n in names[last + 1:-1]],
                       keys_as_text=many == sorted(many))
-        for i, p in enumerate(_probes()):
+        for i, p in enumerate(probes):
             parts = enc.encode(p)
             if parts is None:
                 return None, f"probe {i} was declined"

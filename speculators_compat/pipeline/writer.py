@@ -167,12 +167,10 @@ def _unowned_states(sample: dict[str, Any]) -> dict[str, Any]:
     aliases: dict[tuple, Any] = {}  # a tensor listed twice stays one storage in the file
 
     def alias(h):
-        if (not isinstance(h, torch.Tensor) or h.device.type != "cpu" or not h.is_contiguous()
+        if (not isinstance(h, torch.Tensor) or h.device.type != "cpu" or not ptfile.owns_its_storage(h)
                 or h.requires_grad):  # (an alias would drop the flag, which torch.save keeps)
             return h
         nbytes = h.numel() * h.element_size()
-        if nbytes == 0 or h.storage_offset() != 0 or h.untyped_storage().nbytes() != nbytes:
-            return h
         key = (h.data_ptr(), h.dtype, tuple(h.shape))
         if key not in aliases:
             raw = (ctypes.c_ubyte * nbytes).from_address(h.data_ptr())
