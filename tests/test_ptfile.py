@@ -80,13 +80,15 @@ def test_a_big_sample_is_written_without_copying_its_states(tmp_path):
     assert (tmp_path / "data_0.pt").read_bytes() == ref and n == len(ref)
 
 
-@pytest.mark.parametrize("case", ["requires_grad", "non_tensor_value", "nested_dict", "int_key"])
+@pytest.mark.parametrize("case", ["requires_grad", "non_tensor_value", "nested_dict", "int_key", "empty"])
 def test_what_it_cannot_reproduce_goes_to_torch_save(tmp_path, case):
     s = _sample(5, 8, 2)
     if case == "requires_grad":
         s["hidden_states"][0] = s["hidden_states"][0].float().requires_grad_()
     elif case == "non_tensor_value":
         s["extra"] = (1, 2)
+    elif case == "empty":  # (the pipeline refuses empty sequences before any engine runs)
+        s = {"input_ids": torch.arange(0), "hidden_states": [torch.zeros(0, 8)], "loss_mask": torch.ones(0)}
     elif case == "nested_dict":
         s["extra"] = {"a": torch.ones(2)}
     else:

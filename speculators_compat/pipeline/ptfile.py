@@ -122,6 +122,8 @@ class Encoder:
             return None
         st = t.untyped_storage()
         nbytes = st.nbytes()
+        if not nbytes:  # torch.save lays out an empty record otherwise (never a pipeline sample)
+            return None
         numel = nbytes // t.element_size()
         ident = alias or ("storage", st._cdata)
         got = storages.get(ident)
@@ -179,7 +181,7 @@ class Encoder:
         if self.keys_as_text:
             storages.sort()
         for key, ptr, n in storages:
-            data = memoryview((ctypes.c_ubyte * n).from_address(ptr)).cast("B") if n else b""
+            data = memoryview((ctypes.c_ubyte * n).from_address(ptr)).cast("B")
             records.append((f"data/{key}", data))
         records.extend(self.after)
         name_hash = self._name_hash.get(len(storages))
