@@ -38,6 +38,18 @@ from typing import Any
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
+# Every torch internal this module relies on (docs/inventory.md lists them; scripts/gen_inventory.py):
+# (internal, what we use it for, checked versions, risk if it changes)
+TORCH_INTERNALS = [
+    ("torch.save's zip archive (records, 64-byte alignment, data descriptors, zip64 end, serialization id)",
+     "build data_{i}.pt directly (pipeline/ptfile.py)",
+     "torch 2.8, 2.9.1, 2.10, 2.11, 2.13 (byte-identical on 200 random samples in each)",
+     "low: checked against torch.save in every process before use; any difference: torch.save writes, with a warning"),
+    ("torch._utils._rebuild_tensor_v2, torch.storage._dtype_to_storage_type_map(), UntypedStorage._cdata",
+     "the pickle torch.save makes for a plain CPU tensor; storage identity as torch.save keys it",
+     "the same", "low: the same self-check; a missing name fails it (torch.save then writes)"),
+]
+
 ALIGN = 64
 PREFIX = "archive/"
 MAX_BYTES = 1 << 31  # beyond this torch switches to zip64 fields: leave such files to torch.save
@@ -260,13 +272,15 @@ def _records(data: bytes) -> dict[str, bytes]:
 
 
 def _probes() -> list[dict]:
+    """Samples the self-check encodes both ways: owned states, a layer listed twice, a view (its
+    storage keyed as torch.save keys it), and 14 storages (keys past "9")."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     h = [torch.randn(7, 5, generator=g).to(torch.bfloat16) for _ in range(3)]
     return [
         {"input_ids": torch.arange(7), "hidden_states": h, "loss_mask": torch.ones(7, dtype=torch.long)},
-        {"input_ids": torch.arange(3), "hidden_states": [h[0][:3].clone(), h[0][:3].clone()[None][0]] * 2,
+        {"input_ids": torch.arange(6)[1:4], "hidden_states": [h[0][:3].clone(), h[0][:3].clone()[None][0]] * 2,
          "loss_mask": torch.zeros(3, dtype=torch.long)},
         {"input_ids": torch.arange(1), "hidden_states": [torch.randn(1, 13, generator=g) for _ in range(12)],
          "loss_mask": torch.ones(1, dtype=torch.long)},
