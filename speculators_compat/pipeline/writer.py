@@ -234,7 +234,7 @@ def write_parts(path: Path | str, parts: list) -> int:
     path = os.fspath(path)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.partial")
-    views = [v for v in map(memoryview, parts) if v.nbytes]
+    views = [v.cast("B") for v in map(memoryview, parts) if v.nbytes]  # (sliced by bytes below)
     total, i = 0, 0
     fd = os.open(tmp, _O_NEW, 0o666)
     try:
