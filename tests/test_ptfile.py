@@ -168,3 +168,23 @@ def test_one_memory_given_as_two_tensors_is_saved_as_the_torch_save_path_saves_i
     writer.write_sample(tmp_path / "data_1.pt", s, "pt")
     got = (tmp_path / "data_0.pt").read_bytes()
     assert got == (tmp_path / "data_1.pt").read_bytes() == _saved(one) != _saved(s)
+
+
+def test_an_unreadable_serialization_id_falls_back_once_and_says_so(monkeypatch, caplog, tmp_path):
+    """The id's first half is read from a torch.save probe per tensor count. If that probe's id is
+    not the 40 digits expected, files of that count go to torch.save, one warning says so, and
+    the probe is not repeated for every file."""
+    enc = ptfile.encoder()
+    assert enc is not None
+    monkeypatch.setattr(enc, "_name_hash", {})
+    probes = []
+    monkeypatch.setattr(ptfile, "_records", lambda data: probes.append(1) or {".data/serialization_id": b"x"})
+    s = _sample(4, 8, 3)
+    with caplog.at_level(logging.WARNING, logger="speculators_compat.pipeline"):
+        for i in range(3):
+            assert ptfile.encode(s) is None
+            writer.write_sample(tmp_path / f"data_{i}.pt", s, "pt")
+            assert (tmp_path / f"data_{i}.pt").read_bytes() == _saved(s)
+    assert len(probes) == 1
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "with 5 tensors are written by torch.save" in msgs[0]

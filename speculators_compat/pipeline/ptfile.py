@@ -114,8 +114,7 @@ class Encoder:
         self.keys_as_text = keys_as_text  # storages in text order of their keys ("10" < "2"), else as met
         self._storage_types = {d: getattr(torch, n) for d, n in torch.storage._dtype_to_storage_type_map().items()
                                if not n.startswith("Q") and hasattr(torch, n)}
-        self._name_hash: dict[int, int] = {}  # storage count -> first half of the serialization id
-        self._lock = threading.Lock()
+        self._name_hash: dict[int, int | None] = {}  # storage count -> first half of the serialization id
 
     # -- the pickle ---------------------------------------------------------------------------
     # The files must be those the torch.save path writes, which saves ``writer._unowned_states``
@@ -196,12 +195,9 @@ class Encoder:
             data = memoryview((ctypes.c_ubyte * n).from_address(ptr)).cast("B")
             records.append((f"data/{key}", data))
         records.extend(self.after)
-        name_hash = self._name_hash.get(len(storages))
-        if name_hash is None:
-            name_hash = self._learn_name_hash(len(storages))
-            if name_hash is None:
-                return None
-        return self._archive(records, name_hash)
+        n = len(storages)
+        name_hash = self._name_hash[n] if n in self._name_hash else self._learn_name_hash(n)
+        return None if name_hash is None else self._archive(records, name_hash)
 
     def _archive(self, records: list[tuple[str, Any]], name_hash: int) -> list | None:
         out: list = []
@@ -240,16 +236,18 @@ class Encoder:
 
     def _learn_name_hash(self, n_storages: int) -> int | None:
         """The serialization id's first half depends on the record names only: read it from
-        torch.save of a probe with the same number of storages."""
+        torch.save of a probe with the same number of storages (once per count; a count whose id
+        cannot be read is left to torch.save, said once)."""
         import torch
 
         probe = {"hidden_states": [torch.full((1,), float(i)) for i in range(n_storages)]}
         sid = _records(_torch_save(probe)).get(".data/serialization_id", b"")
-        if len(sid) != 40 or not sid.isdigit():
-            return None
-        with self._lock:
-            self._name_hash[n_storages] = int(sid[:20])
-        return int(sid[:20])
+        got = int(sid[:20]) if len(sid) == 40 and sid.isdigit() else None
+        if got is None:
+            logger.warning("data_{i}.pt files with %d tensors are written by torch.save (slower): its "
+                           "serialization id %r is not the 40 digits the direct encoder knows", n_storages, sid)
+        self._name_hash[n_storages] = got
+        return got
 
 
 class _Decline(Exception):
