@@ -39,6 +39,30 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def _sample_bytes(path: str, lengths: list[int], dtype: str, layers: str | None) -> int:
+    """Bytes of hidden states in one median-length sample (what a data file mostly holds)."""
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg = cfg.get("text_config", cfg)
+    n_layers = len(layers.split(",")) if layers else 4
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
+    return int(statistics.median(lengths)) * cfg["hidden_size"] * n_layers * width
+
+
+def _file_cost_us(root: str, nbytes: int, n: int = 400) -> dict:
+    """CPU microseconds (this thread: user + kernel) per file to create, write ``nbytes`` and rename
+    into ``root``, as the pipeline's writer does (the files are deleted afterwards, untimed)."""
+    from speculators_compat.pipeline.writer import write_parts
+
+    d = tempfile.mkdtemp(prefix="fs-probe-", dir=root)
+    data = os.urandom(nbytes)
+    t = time.thread_time()
+    for i in range(n):
+        write_parts(os.path.join(d, f"data_{i}.pt"), [data])
+    per_file = (time.thread_time() - t) / n * 1e6
+    shutil.rmtree(d)
+    return {"write_us": round(per_file, 1), "files": n}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama", help="tiny model name (llama, llama-100m, llama-1b) or a path")
@@ -77,6 +101,8 @@ def main(argv=None) -> int:
                     "timed with --formats safetensors only)")
     ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
                     "to take the disk out of the measurement)")
+    ap.add_argument("--out-dirs", default=None, help="e.g. '/tmp,/dev/shm': time the pipeline writing to each, "
+                    "alternated in one run (overrides --out-dir for the pipeline's output)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write the figures here too")
     a = ap.parse_args(argv)
@@ -113,6 +139,14 @@ def main(argv=None) -> int:
                   gpu_memory_utilization=a.gpu_memory_utilization)
     times: dict[str, list[float]] = {}
     tmp = tempfile.mkdtemp(prefix="sc-bench-", dir=a.out_dir)
+    out_dirs = a.out_dirs.split(",") if a.out_dirs else [None]  # None: under tmp
+    out_roots = {d: (tempfile.mkdtemp(prefix="sc-bench-", dir=d) if d else tmp) for d in out_dirs}
+    # what one file costs the filesystem alone, before any engine runs: create, write one sample's
+    # bytes, rename (the pipeline's own write_parts), in CPU time of the writing thread
+    sample_bytes = _sample_bytes(path, lengths, a.dtype, a.layers)
+    file_cost = {d or (a.out_dir or tempfile.gettempdir()): _file_cost_us(out_roots[d], sample_bytes) for d in out_dirs}
+    print("filesystem cost per file (create + write + rename, CPU us; one sample = "
+          f"{sample_bytes:,} B):", json.dumps(file_cost))
     jsonl = os.path.join(tmp, "in.jsonl")
     with open(jsonl, "w") as f:
         for p in prompts:
@@ -138,7 +172,7 @@ def main(argv=None) -> int:
     breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
 
     def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, ck="crc32", fmt="pt", shard=1,
-                    ptw=None):
+                    ptw=None, od=out_dirs[0]):
         if nice is not None:  # read when the writer processes start (a change restarts them)
             os.environ["SPECULATORS_COMPAT_WRITER_NICE"] = nice
         if ptw is not None:  # the same
@@ -149,7 +183,7 @@ def main(argv=None) -> int:
             writer_pool(wt).wait_ready()
 
         def run():  # -> seconds in run_extract (not the clean-up: deleting GBs of output is no part of it)
-            out = tempfile.mkdtemp(prefix="out-", dir=tmp)
+            out = tempfile.mkdtemp(prefix="out-", dir=out_roots[od])
             t = time.perf_counter()
             s = run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False, writer_threads=wt,
                             writer=wm if shard == 1 else "thread", read_ahead=ra, checksum=ck, fmt=fmt,
@@ -213,18 +247,20 @@ def main(argv=None) -> int:
 
     def time_pipelines(gen, tag):  # every pipeline variant asked for, once each
         timed = set()
-        for wt, wm, ra, nice, ck, (fmt, shard), ptw in itertools.product(wts, wms, ras, nices, cks, outputs, ptws):
+        for wt, wm, ra, nice, ck, (fmt, shard), ptw, od in itertools.product(wts, wms, ras, nices, cks, outputs, ptws,
+                                                                              out_dirs):
             if shard > 1:  # shards are written on a thread, whatever --writer-modes says: once
                 wm = "thread"
             name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
                     + (f"[{fmt}]" if len(fmts) > 1 else "") + (f"[s{shard}]" if len(shards) > 1 else "")
                     + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else "")
-                    + (f"[{ck}]" if len(cks) > 1 else "") + (f"[{ptw}]" if len(ptws) > 1 else ""))
+                    + (f"[{ck}]" if len(cks) > 1 else "") + (f"[{ptw}]" if len(ptws) > 1 else "")
+                    + (f"[{od}]" if len(out_dirs) > 1 else ""))
             if name in timed:
                 continue
             timed.add(name)
             pipeline_tag[name] = tag
-            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, ck, fmt, shard, ptw))
+            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, ck, fmt, shard, ptw, od))
 
     from speculators_compat.engine.driver_wait import driver_wait_from_env
 
@@ -315,13 +351,17 @@ def main(argv=None) -> int:
         for _ in range(a.reps):
             rec("hf", _timed(hf))
     shutil.rmtree(tmp, ignore_errors=True)
+    for d, root in out_roots.items():
+        if d:
+            shutil.rmtree(root, ignore_errors=True)
 
     rows = {k: {"tok_s_median": tokens / statistics.median(v), "tok_s_min": tokens / max(v),
                 "tok_s_max": tokens / min(v), "runs": len(v)} for k, v in times.items()}
     env = {"device": torch.cuda.get_device_name(0) if cuda else f"cpu x{os.cpu_count()}",
            "vllm": versions.installed("vllm"), "torch": torch.__version__, "model": a.model,
            "batch": a.batch, "batches": a.batches, "seq": a.seq_mixed or a.seq, "tokens": tokens, "dtype": a.dtype,
-           "max_num_batched_tokens": a.max_num_batched_tokens, "out_dir": a.out_dir or tempfile.gettempdir()}
+           "max_num_batched_tokens": a.max_num_batched_tokens, "out_dir": a.out_dir or tempfile.gettempdir(),
+           "out_dirs": out_dirs if a.out_dirs else None, "file_cost_us": file_cost, "sample_bytes": sample_bytes}
     print(json.dumps(env))
     print(f"| contender | tokens/s (median) | spread (min-max) | runs |")
     print("|---|---|---|---|")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,17 +29,27 @@ ALL = [f"0.{m}.0" for m in range(11, 33)]
 SELECT = [  # one Llama engine per fixture: explicit node ids keep the Qwen2 and slow cases out
     "tests/engine/test_baseline_upstream.py::test_unmodified_upstream_fails_as_measured",
     "tests/engine/test_upstream_patched.py::test_batches_of_mixed_lengths[llama-13]",
+    "tests/engine/test_upstream_patched.py::test_repeated_calls_and_repeated_prompts[llama]",
     "tests/engine/test_upstream_patched.py::test_shared_prefix_longer_than_a_block[llama]",
     "tests/engine/test_upstream_patched.py::test_batch_larger_than_max_num_batched_tokens[llama]",
     "tests/engine/test_dropin.py::test_chunked_and_reordered[13]",
+    "tests/engine/test_dropin.py::test_repeat_call_same_results",
+    "tests/engine/test_dropin.py::test_layer_convention_against_hf",
+    "tests/engine/test_dropin.py::test_bad_inputs_leave_the_engine_usable",
     "tests/engine/test_dropin.py::test_deepseek_v3_mla_moe",
+    "tests/engine/test_pipeline.py::test_layout_states_and_speculators_loader",
+    "tests/engine/test_pipeline.py::test_resume_is_byte_identical",
     "tests/engine/test_patches_engine.py::test_request_patch_eos",
 ]
-COLUMNS = [("upstream + import", "test_upstream_patched"), ("drop-in (chunked, reordered)", "test_chunked_and_reordered"),
-           ("Request patch", "test_request_patch_eos")]
+# (column title, test-module key, test-name prefixes left out of the column)
+COLUMNS = [("upstream + import", "test_upstream_patched", ()),
+           ("drop-in (chunked, reordered, repeat calls, layer ids, bad input)", "test_dropin", ("test_deepseek",)),
+           ("pipeline (vs HF, speculators loader, resume byte-identical)", "test_pipeline", ()),
+           ("Request patch", "test_request_patch_eos", ())]
+CI_VERSIONS = ("0.11.0", "0.12.0", "0.16.0", "0.17.0", "0.32.0")  # scripts/test.sh runs their full suite
 
 
-def run_version(v: str, force: bool) -> None:
+def run_version(v: str, force: bool, drop_env: bool = False) -> None:
     junit = OUT / f"junit-{v}.xml"
     if junit.exists() and not force:
         print(f"[sweep] {v}: reusing {junit.name}")
@@ -59,6 +70,9 @@ def run_version(v: str, force: bool) -> None:
     info = subprocess.run([py, "-c", "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, "
                            "transformers.__version__)"], capture_output=True, text=True).stdout.split()
     (OUT / f"info-{v}.json").write_text(json.dumps({"versions": info[-3:], "seconds": round(time.time() - t0)}))
+    if drop_env and v not in CI_VERSIONS:  # keeps the disk bounded; uv's cache makes a rebuild mostly hard links
+        shutil.rmtree(Path(py).parent.parent, ignore_errors=False)
+        print(f"[sweep] {v}: environment removed (--drop-env)")
 
 
 def cell(cases) -> str:
@@ -81,7 +95,9 @@ def table() -> str:
         if not junit.exists() and (ROOT / "results" / f"junit-{v}.xml").exists():
             junit = ROOT / "results" / f"junit-{v}.xml"  # the last scripts/test.sh run (CI matrix)
         if not junit.exists():
-            rows.append(f"| {v} | not run | | | | | |")
+            blank = " |" * (len(COLUMNS) + 2)
+            rows.append(f"| {v} | full suite in CI (`.ci/run`: every test in tests/engine) |{blank}" if v in CI_VERSIONS
+                        else f"| {v} | not run |{blank}")
             continue
         cases = []
         for c in ET.parse(junit).getroot().iter("testcase"):
@@ -109,7 +125,8 @@ def table() -> str:
         baseline_case = [c for c in cases if c[0].startswith("test_unmodified")]
         bcell = ("as recorded" if baseline_case and baseline_case[0][1] == "passed"
                  else "CHANGED" if baseline_case else "–")
-        cols = [cell([c for c in cases if key in (c[3] or "") or key in c[0]]) for _, key in COLUMNS]
+        cols = [cell([c for c in cases if (key in (c[3] or "") or key in c[0]) and not c[0].startswith(skip)])
+                for _, key, skip in COLUMNS]
         ds = [c for c in cases if "deepseek" in c[0]]
         dtxt = ("skip (vLLM's CPU build: MLA prefill backend ImportError)"
                 if ds and ds[0][1] == "skipped" and "ImportError" in ds[0][2]
@@ -123,7 +140,7 @@ def table() -> str:
             "Each cell is a real-engine run compared with HF transformers (see tests/engine/).",
             "'baseline' is what UNMODIFIED speculators 0.3.0 does (patches disabled); '(as recorded)' means the",
             "failure matched the expectation table in tests/engine/test_baseline_upstream.py.", "",
-            "| vLLM | torch / transformers | baseline: upstream unmodified | " + " | ".join(c for c, _ in COLUMNS)
+            "| vLLM | torch / transformers | baseline: upstream unmodified | " + " | ".join(c for c, _, _ in COLUMNS)
             + " | DeepSeek-V3 (MLA+MoE) |", "|---" * (len(COLUMNS) + 4) + "|"]
     notes = ["", "Notes (2026-11-29):",
              "- Every minor release 0.11-0.32 was swept; 0.18, 0.21, 0.22 and 0.28 were re-swept in the second session "
@@ -142,11 +159,13 @@ def main() -> int:
     ap.add_argument("versions", nargs="*")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--drop-env", action="store_true", help="remove each swept environment afterwards "
+                    "(except the CI matrix's), to keep the disk bounded")
     a = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     if not a.table_only:
         for v in a.versions or ALL:
-            run_version(v, a.force)
+            run_version(v, a.force, a.drop_env)
             (ROOT / "docs" / "compatibility.md").write_text(table())
     (ROOT / "docs" / "compatibility.md").write_text(table())
     print((ROOT / "docs" / "compatibility.md").read_text())

@@ -188,3 +188,18 @@ def test_an_unreadable_serialization_id_falls_back_once_and_says_so(monkeypatch,
     assert len(probes) == 1
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and "with 5 tensors are written by torch.save" in msgs[0]
+
+
+@pytest.mark.parametrize("rows,hidden", [(3, 8), (128, 128), (300, 1024)])
+def test_the_files_crc32_is_zlibs_over_its_bytes(tmp_path, rows, hidden):
+    """The checksum the pipeline records for a direct-built file (made from the zip records' own
+    CRCs, crc.of_parts) is zlib's CRC-32 of the file as written, small states and big."""
+    import zlib
+
+    s = _sample(rows, hidden, 4, seed=rows)
+    s["hidden_states"][2] = s["hidden_states"][1]  # a repeated layer: one record, listed twice
+    digest, n = writer.write_sample(tmp_path / "data_0.pt", s, "pt", "crc32")
+    data = (tmp_path / "data_0.pt").read_bytes()
+    assert data == _saved(s) and n == len(data)
+    assert digest == f"{zlib.crc32(data):08x}"
+    assert writer.file_digest(tmp_path / "data_0.pt", "crc32") == digest

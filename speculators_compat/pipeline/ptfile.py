@@ -200,7 +200,7 @@ class Encoder:
         return None if name_hash is None else self._archive(records, name_hash)
 
     def _archive(self, records: list[tuple[str, Any]], name_hash: int) -> list | None:
-        out: list = []
+        out = Parts()
         central: list[bytes] = []
         offset, crc_fold = 0, 0
 
@@ -214,6 +214,7 @@ class Encoder:
             out.append(_LOCAL.pack(b"PK\x03\x04", 0, 0x0808, 0, 0, 0, 0, 0, 0, len(bname), 4 + pad)
                        + bname + b"FB" + struct.pack("<H", pad) + b"Z" * pad)
             if size:
+                out.known_crcs[len(out)] = crc  # (the file's own checksum reuses it: crc.of_parts)
                 out.append(data)
             out.append(_DESCRIPTOR.pack(b"PK\x07\x08", crc, size, size))
             central.append(_CENTRAL.pack(b"PK\x01\x02", 0, 0, 0x0808, 0, 0, 0, crc, size, size, len(bname),
@@ -248,6 +249,15 @@ class Encoder:
                            "serialization id %r is not the 40 digits the direct encoder knows", n_storages, sid)
         self._name_hash[n_storages] = got
         return got
+
+
+class Parts(list):
+    """The buffers of one file, in order; ``known_crcs`` maps the index of each record's data to
+    that data's CRC-32, already computed for the zip record."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.known_crcs: dict[int, int] = {}
 
 
 class _Decline(Exception):

@@ -37,7 +37,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from . import ptfile
+from . import crc, ptfile
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -127,10 +127,14 @@ def write_sample(path: Path, sample: dict[str, Any], fmt: str, checksum: str = D
     if fmt == "pt":
         parts = ptfile.encode(sample)  # torch.save's bytes, built directly; None: torch.save must write it
         if parts is not None:
-            h = new_digest(checksum)
-            for p in parts:
-                h.update(p)
-            return h.hexdigest(), write_parts(path, parts)
+            if checksum == "crc32":  # from the records' own CRCs: the states are not read again
+                digest = f"{crc.of_parts(parts, parts.known_crcs):08x}"
+            else:
+                h = new_digest(checksum)
+                for p in parts:
+                    h.update(p)
+                digest = h.hexdigest()
+            return digest, write_parts(path, parts)
         sample = _unowned_states(sample)
     if fmt != "pt" or _payload_bytes(sample) <= SMALL_SAMPLE_BYTES:
         # safetensors, or a small sample: serialise in memory, write once, hash the same bytes
