@@ -48,11 +48,12 @@ def _sample_bytes(path: str, lengths: list[int], dtype: str, layers: str | None)
     return int(statistics.median(lengths)) * cfg["hidden_size"] * n_layers * width
 
 
-def _file_cost_us(root: str, nbytes: int, n: int = 400) -> dict:
+def _file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
     """CPU microseconds (this thread: user + kernel) per file to create, write ``nbytes`` and rename
     into ``root``, as the pipeline's writer does (the files are deleted afterwards, untimed)."""
     from speculators_compat.pipeline.writer import write_parts
 
+    n = n or max(20, min(400, (256 << 20) // max(nbytes, 1)))  # at most ~256 MiB written
     d = tempfile.mkdtemp(prefix="fs-probe-", dir=root)
     data = os.urandom(nbytes)
     t = time.thread_time()

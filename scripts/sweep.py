@@ -7,9 +7,11 @@ docs/compatibility.md (not part of CI: about 2-4 minutes per version on 2 cores,
     python3 scripts/sweep.py --table-only         # rebuild the page from sweep-results/
 
 Per version: what unmodified speculators 0.3.0 does (baseline), unmodified upstream + import on
-13 mixed prompts / a shared prefix / a two-step batch vs HF, the drop-in generator under chunked
-prefill vs HF, the Request patch, and the DeepSeek-V3 (MLA) model. Results of a version that was
-already swept are reused unless --force.
+13 mixed prompts / repeated calls / a shared prefix / a two-step batch vs HF, the drop-in generator
+(chunked prefill and reordering, repeat calls, the layer-id convention vs HF, bad input), the
+extract pipeline (files vs HF, speculators' loader, resume byte-identical), the Request patch, and
+the DeepSeek-V3 (MLA) model. Results of a version that was already swept are reused unless --force;
+--drop-env removes each environment after its run (not the CI matrix's five).
 """
 from __future__ import annotations
 
@@ -142,15 +144,23 @@ def table() -> str:
             "failure matched the expectation table in tests/engine/test_baseline_upstream.py.", "",
             "| vLLM | torch / transformers | baseline: upstream unmodified | " + " | ".join(c for c, _, _ in COLUMNS)
             + " | DeepSeek-V3 (MLA+MoE) |", "|---" * (len(COLUMNS) + 4) + "|"]
-    notes = ["", "Notes (2026-11-29):",
-             "- Every minor release 0.11-0.32 was swept; 0.18, 0.21, 0.22 and 0.28 were re-swept in the second session "
-             "(0.18 with the tcmalloc + Intel OpenMP preload its CPU build insists on; 0.21/0.22 with the baseline "
-             "expectation that follows the installed transformers).",
+    notes = ["", "Notes:",
+             "- 2026-12-01 (sixteenth session): every minor release outside the CI matrix re-swept on the current code "
+             "with a wider selection: besides the earlier checks, repeated calls on upstream's generator, the drop-in "
+             "generator's repeat calls, layer-id convention against HF and bad input leaving the engine usable, and "
+             "the extract pipeline (files against HF, speculators' Eagle3SampleFileDataset reading them, an "
+             "interrupted run resumed to a byte-identical dataset). The five CI versions run the full suite on "
+             "every CI run. (The sweep ran from 12:19 to 13:14 while that session's crc change went in: 0.13-0.20 ran "
+             "before or while it went in, 0.21-0.31 after; the CI cells test it with torch 2.8 to 2.13.)",
+             "- 2026-11-29: every minor release 0.11-0.32 was first swept; 0.18, 0.21, 0.22 and 0.28 were re-swept in "
+             "the second session (0.18 with the tcmalloc + Intel OpenMP preload its CPU build insists on; 0.21/0.22 "
+             "with the baseline expectation that follows the installed transformers).",
              "- DeepSeek-V3 (MLA) on vLLM's CPU backend: refused up to 0.27 ('MLA is not supported on CPU'); 0.28.0's "
              "CPU build picks a FlashAttention MLA prefill backend it cannot import (ImportError in the worker); "
              "0.29+ runs, rows attributed right, but its CPU MLA numerics differ from HF (xfail). On an H200 the same "
              "architecture matches HF (docs/gpu-results.md).",
-             "- Rows marked (CI matrix run) come from scripts/test.sh's full suite."]
+             "- Rows marked 'full suite in CI' are the five versions `.ci/run` (scripts/test.sh) tests with every "
+             "test in tests/ on each run (the last fresh-clone run is named in CHANGELOG.md)."]
     return "\n".join(head + rows + notes) + "\n"
 
 
