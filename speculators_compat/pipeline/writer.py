@@ -13,7 +13,8 @@ The checksum is ``crc32`` (zlib's CRC-32, as zip and gzip use; the default), ``s
 each record names its algorithm by its key (``"crc32": 8 hex digits`` or ``"sha256": hex``). The
 default is crc32 because it was measured: sha256 needs ~3x the CPU, and on an H200 host the
 pipeline kept 0.861-0.886 of generate() with it against 0.888-0.903 with crc32 in the same three
-runs (docs/gpu-results.md section 10). A rerun into an existing output keeps the algorithm it finds there unless told
+runs (docs/gpu-results.md section 10). A ``data_{i}.pt`` file's crc32 is made from the CRCs its zip
+records already hold (crc.of_parts): the states are not read a second time. A rerun into an existing output keeps the algorithm it finds there unless told
 otherwise (the manifest then rehashes the earlier files, so it never mixes algorithms).
 
 Every data file is written to a temp name (``.data_{i}.pt.partial``: not ``*pt``, so the trainer never
