@@ -39,13 +39,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def _sample_bytes(path: str, lengths: list[int], dtype: str, layers: str | None) -> int:
+def _sample_bytes(path: str, lengths: list[int], itemsize: int, layers: str | None) -> int:
     """Bytes of hidden states in one median-length sample (what a data file mostly holds)."""
-    cfg = json.load(open(os.path.join(path, "config.json")))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
-    n_layers = len(layers.split(",")) if layers else 4
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
-    return int(statistics.median(lengths)) * cfg["hidden_size"] * n_layers * width
+    n_layers = len(layers.split(",")) if layers else 4  # upstream's default ids: 4 of them
+    return int(statistics.median(lengths)) * cfg["hidden_size"] * n_layers * itemsize
 
 
 def _file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     out_roots = {d: (tempfile.mkdtemp(prefix="sc-bench-", dir=d) if d else tmp) for d in out_dirs}
     # what one file costs the filesystem alone, before any engine runs: create, write one sample's
     # bytes, rename (the pipeline's own write_parts), in CPU time of the writing thread
-    sample_bytes = _sample_bytes(path, lengths, a.dtype, a.layers)
+    sample_bytes = _sample_bytes(path, lengths, getattr(torch, a.dtype).itemsize, a.layers)
     file_cost = {d or (a.out_dir or tempfile.gettempdir()): _file_cost_us(out_roots[d], sample_bytes) for d in out_dirs}
     print("filesystem cost per file (create + write + rename, CPU us; one sample = "
           f"{sample_bytes:,} B):", json.dumps(file_cost))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,7 +49,18 @@ COLUMNS = [("upstream + import", "test_upstream_patched", ()),
            ("drop-in (chunked, reordered, repeat calls, layer ids, bad input)", "test_dropin", ("test_deepseek",)),
            ("pipeline (vs HF, speculators loader, resume byte-identical)", "test_pipeline", ()),
            ("Request patch", "test_request_patch_eos", ())]
-CI_VERSIONS = ("0.11.0", "0.12.0", "0.16.0", "0.17.0", "0.32.0")  # scripts/test.sh runs their full suite
+
+
+def _ci_versions() -> tuple[str, ...]:
+    """The versions scripts/test.sh (CI) runs the full suite on: its MATRIX default, read from it."""
+    m = re.search(r'MATRIX="\$\{SPECULATORS_COMPAT_MATRIX:-([^}]*)\}"', (ROOT / "scripts" / "test.sh").read_text())
+    if m is None:
+        raise RuntimeError("scripts/test.sh no longer sets MATRIX=\"${SPECULATORS_COMPAT_MATRIX:-...}\"; "
+                           "scripts/sweep.py reads the CI versions from it")
+    return tuple(m.group(1).split())
+
+
+CI_VERSIONS = _ci_versions()
 
 
 def run_version(v: str, force: bool, drop_env: bool = False) -> None:
