@@ -12,11 +12,14 @@ What each setting is for:
     one (60) is the verifier's final pre-norm state, which speculators' trainer uses as target;
   * max_num_batched_tokens=8192: tokens per prefill step; with 4 captured layers x 7168 x 2 B the
     capture buffer is 0.45 GiB per step;
-  * gpu_memory_utilization=0.85 leaves room for the vision tower's profiling pass;
+  * gpu_memory_utilization=0.85: room to spare. On vLLM 0.17+ extraction is text only (the engine
+    passes language_model_only=True: the vision tower is neither built nor profiled); 0.15/0.16
+    build and profile it as serving does;
   * VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1200: cold INT4 MoE kernels can stall the first step;
   * enable_expert_parallel: optional (--ep). Tested on H200s with a Kimi-width 3-layer model: plain
     TP=1 and 2, and TP=2 with EP (HF-exact within bf16 tolerance, killed-worker resume
-    byte-identical; docs/gpu-results.md sections 5.1 and 14.1); TP=8 has not run;
+    byte-identical; docs/gpu-results.md sections 5.1 and 14.1), and at TP=1 in Kimi-K2.5's own
+    layout with INT4 group-32 experts (section 19); TP=8 has not run;
   * --output on a disk that keeps up: 57.4 MB/s for each 1,000 tokens/s extracted (`plan` prints
     it). Over long runs that disk, not the GPUs, can set the pace (on the H200 test host: 1.2 GiB/s
     against 4.4 GiB/s of states from a 1.1B model); a run that waited on its writers says so.
@@ -25,7 +28,9 @@ What each setting is for:
     queue_size + 2 batches of them, each slab with 25% headroom. At --batch-size 32 and prompts of
     up to 8,191 tokens that is at most 70.0 GiB; `plan --input train.jsonl --batch-size 32
     --max-model-len 8192` sizes it from the dataset's largest batch.
-Resumable: rerun the same command after any interruption.
+Resumable: rerun the same command after any interruption. The samples already written are kept;
+the ones recomputed can differ slightly from an uninterrupted run's, because vLLM's INT4 MoE kernel
+is not bit-for-bit reproducible run to run (measured on vLLM 0.20, section 19; both match HF).
 
 It needs the GPUs; everything around it runs on the built-in tiny models on CPU:
     python examples/kimi_k25_int4_8gpu.py --model "$(python -c 'from speculators_compat.testing import models; print(models.build("llama"))')" \

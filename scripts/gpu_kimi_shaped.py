@@ -10,13 +10,20 @@ the first TP size's states, and measures tokens/s on a 16 x 1024-token batch.
 --pipeline: the extract CLI at the largest TP size writing to local disk; a second run has one
 worker killed mid-run (must stop within 60 s, completed files intact), then resumes; the resumed
 dataset must be byte-identical to the uninterrupted one.
+--kimi-k25: the same text model inside Kimi-K2.5's multimodal wrapper (KimiK25ForConditionalGeneration,
+speculators_compat/testing/kimi.py), loaded with trust_remote_code; --int4 G: its routed experts as
+compressed-tensors INT4 (pack-quantized, group G; Kimi-K2.5 uses 32); the HF reference then runs
+the dequantized weights, which is what the engine computes with.
     python scripts/gpu_kimi_shaped.py OUTDIR [--tp 1,2] [--pipeline] [--layers 3] [--experts 16]
+                                      [--kimi-k25 [--int4 32]]
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def build(path, layers, experts, width, vocab):
@@ -57,6 +64,16 @@ def build(path, layers, experts, width, vocab):
     return n
 
 
+@contextlib.contextmanager
+def _upstream(up):
+    """Upstream's generator as a context: ``.engine`` is the import's engine; shut down after."""
+    up.engine = up._compat_engine
+    try:
+        yield up
+    finally:
+        up._compat_engine.shutdown()
+
+
 def tp_entry(x: str) -> tuple[int, bool]:
     """'2' -> (2, False); '2ep' -> (2, True): tensor-parallel size, expert parallelism."""
     return int(x.removesuffix("ep")), x.endswith("ep")
@@ -73,7 +90,14 @@ def main() -> int:
     ap.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, e.g. 1,2; a size "
                     "ending in 'ep' (4ep) also enables expert parallelism")
     ap.add_argument("--pipeline", action="store_true", help="only the pipeline + killed-worker check")
+    ap.add_argument("--kimi-k25", action="store_true", help="inside the Kimi-K2.5 multimodal wrapper")
+    ap.add_argument("--upstream", action="store_true",
+                    help="run speculators 0.3.0's own generator (patched by the import) instead of ours")
+    ap.add_argument("--int4", type=int, default=0, metavar="GROUP",
+                    help="with --kimi-k25: routed experts as compressed-tensors INT4 with this group size")
     a = ap.parse_args()
+    if a.int4 and not a.kimi_k25:
+        ap.error("--int4 needs --kimi-k25")
     os.makedirs(a.out, exist_ok=True)
     report = {"layers": a.layers, "experts": a.experts, "width": a.width}
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kimi-shaped-{a.layers}l-{a.experts}e-{a.width}")
@@ -81,6 +105,21 @@ def main() -> int:
     if not os.path.exists(os.path.join(path, "config.json")):
         report["params"] = build(path, a.layers, a.experts, a.width, a.vocab)
     report["build_s"] = round(time.time() - t, 1)
+    a.ref_path = path
+    if a.kimi_k25:
+        from speculators_compat.testing import kimi
+
+        tag = f"-int4g{a.int4}" if a.int4 else ""
+        wrapped, a.ref_path = path + "-k25" + tag, (path + "-deq" + tag if a.int4 else path)
+        t = time.time()
+        if not os.path.exists(os.path.join(wrapped, "config.json")):
+            kimi.wrap(path, wrapped + ".tmp", int4_group=a.int4 or None, ref_dir=a.ref_path if a.int4 else None)
+            os.replace(wrapped + ".tmp", wrapped)
+        report.update(wrap_s=round(time.time() - t, 1), wrapper="KimiK25ForConditionalGeneration",
+                      int4_group=a.int4 or None,
+                      checkpoint_gib=round(sum(f.stat().st_size for f in Path(wrapped).glob("*.safetensors"))
+                                           / 2**30, 2))
+        path = wrapped
     print(json.dumps(report), flush=True)
     if a.build_only:
         return 0
@@ -103,9 +142,17 @@ def main() -> int:
     for tp in tps:
         r = {}
         t = time.time()
-        with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=4096, dtype="bfloat16",
-                                       tensor_parallel_size=tp_entry(tp)[0], gpu_memory_utilization=0.5,
-                                       enable_expert_parallel=tp_entry(tp)[1], max_num_batched_tokens=1024) as g:
+        if a.upstream:  # speculators 0.3.0's own class, patched by the import (its arguments only)
+            from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator as Up
+
+            cm = _upstream(Up(path, layer_ids=layer_ids, max_model_len=4096, gpu_memory_utilization=0.5,
+                              tensor_parallel_size=tp_entry(tp)[0]))
+        else:
+            cm = VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=4096, dtype="bfloat16",
+                                           tensor_parallel_size=tp_entry(tp)[0], gpu_memory_utilization=0.5,
+                                           enable_expert_parallel=tp_entry(tp)[1], max_num_batched_tokens=1024,
+                                           trust_remote_code=a.kimi_k25)
+        with cm as g:
             r["engine_start_s"] = round(time.time() - t, 1)
             r["model_class"] = g.engine.model_info
             g.generate(prompts)  # warm-up (MoE kernels compile on first use)
@@ -125,10 +172,12 @@ def main() -> int:
         size, ep = tp_entry(tp)
         r["moe_local_experts_expected"] = a.experts // size if ep else a.experts
         r["experts_ok"] = r["model_class"].get("moe_local_experts") == r["moe_local_experts_expected"]
+        if a.kimi_k25:
+            r["experts_ok"] = r["experts_ok"] and r["model_class"].get("model") == "KimiK25ForConditionalGeneration"
         runs[tp] = r
         print(json.dumps({"tp": tp, **r}, default=str), flush=True)
     report["tokens"] = sum(map(len, prompts))
-    ref = reference.HFReference(path, layer_ids, device="cuda")
+    ref = reference.HFReference(a.ref_path, layer_ids, device="cuda" if torch.cuda.is_available() else "cpu")
     ok = True
     for tp in tps:
         worst, bad = reference.compare([x["hidden_states"] for x in results[tp]], prompts, ref,
@@ -149,14 +198,15 @@ def main() -> int:
             ok = ok and rel <= reference.TOLERANCE["bfloat16"]
     report.update({"runs": runs, "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count()})
     print(json.dumps(report, default=str), flush=True)
-    with open(os.path.join(a.out, f"kimi_shaped_tp{a.tp.replace(',', '-')}.json"), "w") as f:
+    name = ("kimi_k25" + (f"_int4g{a.int4}" if a.int4 else "") if a.kimi_k25 else "kimi_shaped") + (
+        "_upstream" if a.upstream else "")
+    with open(os.path.join(a.out, f"{name}_tp{a.tp.replace(',', '-')}.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     return 0 if ok else 1
 
 
 def _read_dir(d):
     import hashlib
-    from pathlib import Path
 
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(d).glob("data_*.pt"))}
 
@@ -183,6 +233,8 @@ def pipeline_check(a, path, report) -> int:
             "--tensor-parallel-size", str(tp), "--batch-size", "8", "--max-model-len", "4096",
             "--dtype", "bfloat16", "--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.5",
             "--layer-ids", ",".join(str(i) for i in range(a.layers)), "--no-progress"]
+    if a.kimi_k25:
+        args.append("--trust-remote-code")
     ep = any(e for _, e in entries)
     if ep:
         args.append("--enable-expert-parallel")
@@ -231,11 +283,23 @@ def pipeline_check(a, path, report) -> int:
     r["resume_s"] = round(time.time() - t, 1)
     r["resume_rc"] = again.returncode
     r["byte_identical"] = _read_dir(out) == _read_dir(ref_out) and len(_read_dir(ref_out)) == len(prompts)
+    # the uninterrupted run's files against HF (every layer of the first 12 samples)
+    from speculators_compat.testing import reference
+
+    layer_ids = list(range(a.layers))
+    hf = reference.HFReference(a.ref_path, layer_ids, device="cuda" if torch.cuda.is_available() else "cpu")
+    files = [torch.load(os.path.join(ref_out, f"data_{i}.pt"), weights_only=True) for i in range(12)]
+    worst, bad = reference.compare([f["hidden_states"] for f in files], prompts[:12], hf,
+                                   reference.TOLERANCE["bfloat16"])
+    r.update(files_vs_hf_worst_rel=worst, files_vs_hf_mismatches=len(bad),
+             files_ids_ok=all(f["input_ids"].tolist() == p for f, p in zip(files, prompts)))
     report["pipeline"] = r
     print(json.dumps(report, default=str), flush=True)
-    with open(os.path.join(a.out, f"kimi_pipeline_tp{tp}.json"), "w") as f:
+    name = "kimi_k25" + (f"_int4g{a.int4}" if a.int4 else "") if a.kimi_k25 else "kimi"
+    with open(os.path.join(a.out, f"{name}_pipeline_tp{tp}.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
-    ok = r["byte_identical"] and r["error_named"] and r["stopped_after_kill_s"] < 60 and r["files_intact"]
+    ok = (r["byte_identical"] and r["error_named"] and r["stopped_after_kill_s"] < 60 and r["files_intact"]
+          and not bad and r["files_ids_ok"])
     return 0 if ok else 1
 
 

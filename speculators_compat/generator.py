@@ -137,8 +137,13 @@ class VllmHiddenStatesGenerator:
 
     Same constructor and ``generate()`` contract as speculators 0.3.0's class; the extra keyword
     arguments are ours. ``trust_remote_code`` is explicit (default False): Kimi-K2.5 needs it,
-    because its HF config/tokenizer classes (``KimiK25Config``, TikToken tokenizer) ship as code
-    inside the checkpoint, not in transformers.
+    because its HF config/tokenizer classes (``KimiK25Config``, TikToken tokenizer) and its image
+    processor ship as code inside the checkpoint, not in transformers.
+
+    Multimodal wrappers run text only: on vLLM 0.17+ the engine is built with
+    ``language_model_only=True``, so a VLM's vision tower (Kimi-K2.5's MoonViT) is neither loaded nor
+    profiled with dummy images (``engine_kwargs={"language_model_only": False}`` overrides it).
+    vLLM 0.15/0.16 have no such switch and build the tower as serving would.
     """
 
     def __init__(self, model_path: str, layer_ids: list[int] | None = None, max_model_len: int = 2048,

@@ -48,6 +48,16 @@ def test_plan_kimi_k25_on_8_gpus():
     # max_model_len - 1 tokens (no dataset read)
     assert p["handoff_batch_tokens"] == 8 * 2047
     assert p["handoff_bytes"] == int(4 * 1.25 * 8 * 2047 * 57344)
+    # the MoonViT is in the checkpoint (and the per-GPU figure) but not loaded on vLLM 0.17+
+    assert [n for n in p["notes"] if n.startswith("vision tower: 0.77 GiB") and "language_model_only" in n]
+
+
+def test_plan_of_a_text_model_has_no_vision_note(tmp_path):
+    cfg = json.loads((ROOT / "examples" / "kimi_k25" / "config.json").read_text())["text_config"]
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, architectures=["DeepseekV3ForCausalLM"])))
+    r = cli("plan", "--model", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    assert not [n for n in json.loads(r.stdout)["notes"] if "vision" in n]
 
 
 def test_plan_sizes_the_host_handoff_from_the_largest_batch(tmp_path):

@@ -395,7 +395,7 @@ class EngineOptions:
     async_scheduling: str | None = None  # "disable" | "keep" (None: $SPECULATORS_COMPAT_ASYNC or keep)
     seed: int = 0
     enforce_eager: bool = True
-    #: "fork" | "spawn" | None (vLLM's choice: CPU forces spawn; GPU forks unless CUDA is initialised)
+    #: "fork" | "spawn" | None (spawn on CUDA hosts: see choose_start_method; elsewhere vLLM's choice, CPU: spawn)
     worker_start_method: str | None = None
     #: GPU -> host hand-off of captured rows: "pinned" (async into pinned memory) | "sync" | None (env/default)
     copy_mode: str | None = None
@@ -406,6 +406,8 @@ def build_vllm_config(opts: EngineOptions):
     """A VllmConfig for extraction, from vLLM's own EngineArgs (stable in every version)."""
     _pin_v1_runner()
     from vllm.engine.arg_utils import EngineArgs
+
+    from . import facts as facts_mod
 
     if opts.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, not {opts.tensor_parallel_size}")
@@ -436,6 +438,10 @@ def build_vllm_config(opts: EngineOptions):
         kw["max_num_seqs"] = opts.max_num_seqs
     if strategy == "disable":
         kw["async_scheduling"] = False
+    if facts_mod.probe().engine_args_language_model_only:
+        # Extraction feeds token ids only. For a multimodal wrapper (Kimi-K2.5) this leaves the
+        # vision tower unbuilt and unprofiled (vLLM 0.17+; a no-op for text models).
+        kw["language_model_only"] = True
     kw.update(opts.engine_kwargs)
     if kw.get("pipeline_parallel_size", 1) != 1:
         raise ValueError("pipeline parallelism is not supported for capture (layers would be split "
@@ -474,6 +480,30 @@ def announce_from_env() -> str:
     return raw
 
 
+def choose_start_method(requested: str | None, cuda_devices: int, environ) -> str | None:
+    """How vLLM should start the workers: ``requested`` if given; else ``spawn`` on a CUDA host unless
+    ``VLLM_WORKER_MULTIPROC_METHOD`` is set; else None (vLLM's own choice).
+
+    On a CUDA host vLLM forks unless it sees CUDA initialised, but a driver that has queried CUDA
+    without initialising it can no longer fork workers that use it: they die at start-up
+    ("Cannot re-initialize CUDA in forked subprocess"). Seen on the H200 (vLLM 0.20) with
+    speculators 0.3.0's class + the import on Kimi-K2.5, after importing speculators; spawned
+    workers started there. The script needs the usual ``if __name__ == "__main__":`` guard."""
+    if requested is not None:
+        if requested not in ("fork", "spawn"):
+            raise ValueError(f"worker_start_method must be 'fork' or 'spawn', not {requested!r}")
+        return requested
+    if cuda_devices > 0 and not environ.get("VLLM_WORKER_MULTIPROC_METHOD"):
+        return "spawn"
+    return None
+
+
+def _cuda_devices() -> int:
+    from ..generator import cuda_device_count
+
+    return cuda_device_count()
+
+
 class ExtractionEngine:
     """Owns one vLLM EngineCore with our capture extension."""
 
@@ -488,11 +518,10 @@ class ExtractionEngine:
         self.facts = facts_mod.probe()
         t0 = time.time()
         self.vllm_config = build_vllm_config(opts)
-        if opts.worker_start_method is not None:
-            if opts.worker_start_method not in ("fork", "spawn"):
-                raise ValueError(f"worker_start_method must be 'fork' or 'spawn', not {opts.worker_start_method!r}")
+        method = choose_start_method(opts.worker_start_method, _cuda_devices(), os.environ)
+        if method is not None:
             # config creation may have forced it (the CPU platform sets spawn); ours wins
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = opts.worker_start_method
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
         self._reader = _ArenaReader()  # reads its settings from the environment: fail before starting
         wait_mode = driver_wait_from_env()
         announce = announce_from_env()

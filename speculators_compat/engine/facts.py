@@ -34,6 +34,8 @@ class VllmFacts:
     scheduler_takes_hash_block_size: bool
     #: base models expose ``embed_input_ids`` (0.12+) instead of ``get_input_embeddings``.
     embed_input_ids: bool
+    #: ``EngineArgs`` takes ``language_model_only`` (0.17+): a multimodal wrapper runs text only.
+    engine_args_language_model_only: bool
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -60,6 +62,7 @@ def probe() -> VllmFacts:
     """Inspect the installed vLLM (imports it)."""
     import vllm
     from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor.abstract import Executor
@@ -85,4 +88,5 @@ def probe() -> VllmFacts:
         scheduler_takes_block_size="block_size" in sched,
         scheduler_takes_hash_block_size="hash_block_size" in sched,
         embed_input_ids=embed,
+        engine_args_language_model_only="language_model_only" in getattr(EngineArgs, "__dataclass_fields__", {}),
     )

@@ -44,8 +44,14 @@ INTERNALS = [
      "low: informational only; a renamed weight leaves the field out"),
     ("vllm.distributed.get_tp_group / get_pp_group", "capture on TP rank 0, last PP rank only",
      "0.11-0.32", "low"),
-    ("VLLM_WORKER_MULTIPROC_METHOD", "fork/spawn choice (CPU platform forces spawn at config time)",
-     "0.11-0.32", "low"),
+    ("VLLM_WORKER_MULTIPROC_METHOD", "fork/spawn choice (CPU platform forces spawn at config time; we set "
+     "spawn on CUDA hosts: forked workers died at start when the driver had queried CUDA without initialising it)",
+     "0.11-0.32; spawn on CUDA measured on 0.20 (H200)", "low"),
+    ("EngineArgs.language_model_only (probed: facts.engine_args_language_model_only)",
+     "multimodal wrappers (Kimi-K2.5) run text only: vision tower neither built nor profiled",
+     "0.17-0.32 (absent in 0.11-0.16: the tower is built as for serving); run: tiny Kimi-K2.5 on 0.32 CPU, "
+     "Kimi-width INT4 Kimi-K2.5 on 0.20 H200",
+     "low: a text model ignores it; without it a VLM whose processor needs real media files fails to profile"),
     ("MultiprocExecutor.response_mqs (0.12+) / workers[i].worker_response_mq (0.11); "
      "MessageQueue._read_spin_timer.spin() (0.11-0.17) / MessageQueue._spin_condition.wait() (0.18+)",
      "the driver sleeps instead of spinning while it waits for a reply (engine/driver_wait.py; "

@@ -183,6 +183,10 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
     notes = [f"quantization: {qdesc}",
              f"tokens per step: {mnbt} (max_num_batched_tokens; chunked prefill splits longer prompts)",
              f"activation peak per step (estimate): {activation / GiB:.1f} GiB per GPU"]
+    vit = sum(count for name, count, _, _ in info["groups"] if name.startswith("vision tower"))
+    if vit:
+        notes.append(f"vision tower: {vit * dtype_bytes / GiB:.2f} GiB, counted on every GPU; extraction is text "
+                     "only and vLLM 0.17+ does not load it (language_model_only), so that much is spare there")
     if kv_budget <= 0:
         notes.append("WEIGHTS DO NOT FIT: raise tensor parallelism or use a quantized checkpoint")
     ds = None

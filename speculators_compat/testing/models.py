@@ -46,8 +46,19 @@ SPECS["llama-1b"] = ("LlamaConfig", "LlamaForCausalLM", dict(
     initializer_range=0.02, torch_dtype="bfloat16"))
 
 
+#: checkpoints made from another tiny model: name -> (source model, what is done to it)
+DERIVED = {
+    # the source's DeepSeek-V3 text model inside Kimi-K2.5's multimodal wrapper (testing/kimi.py)
+    "kimi_k25": ("deepseek_v3", "kimi-k25-wrapper-v2"),
+}
+
+
 def _key(name: str) -> str:
     import transformers
+
+    if name in DERIVED:
+        src, how = DERIVED[name]
+        return f"{name}-{how}-{_key(src)}"
 
     major = transformers.__version__.split(".")[0]
     spec = json.dumps(SPECS[name], sort_keys=True, default=str)
@@ -55,9 +66,9 @@ def _key(name: str) -> str:
 
 
 def build(name: str, root: Path | None = None) -> Path:
-    """Path of the tiny model ``name`` (llama, qwen2, deepseek_v3, llama-100m), building it once."""
-    if name not in SPECS:
-        raise KeyError(f"unknown tiny model {name!r}; choose from {sorted(SPECS)}")
+    """Path of the tiny model ``name`` (llama, qwen2, deepseek_v3, kimi_k25, llama-100m), building it once."""
+    if name not in SPECS and name not in DERIVED:
+        raise KeyError(f"unknown tiny model {name!r}; choose from {sorted([*SPECS, *DERIVED])}")
     root = Path(root or CACHE / "models")
     out = root / _key(name)
     if (out / ".complete").exists():
@@ -77,9 +88,20 @@ def build(name: str, root: Path | None = None) -> Path:
     return out
 
 
+def reference_path(name: str) -> Path:
+    """The checkpoint HF transformers runs as ``name``'s reference (a wrapper's text model)."""
+    return build(DERIVED[name][0]) if name in DERIVED else build(name)
+
+
 def _build_into(name: str, d: Path) -> None:
     import torch
     import transformers
+
+    if name == "kimi_k25":
+        from . import kimi
+
+        kimi.wrap(build(DERIVED[name][0]), d)
+        return
 
     cfg_cls, model_cls, kw = SPECS[name]
     kw = dict(kw)
