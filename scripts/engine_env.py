@@ -188,9 +188,7 @@ def build(version: str, force: bool = False) -> dict:
     subprocess.run([u, "pip", "uninstall", "-q", "-p", py, "torchvision", "torchaudio", "torchcodec"],
                    env=dict(os.environ, UV_CACHE_DIR=str(UV_CACHE)), capture_output=True)
     if not has_vllm_dist:
-        site = subprocess.run([py, "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-        stub = Path(site) / f"vllm-{version}+cpu.dist-info"
+        stub = site_packages(py) / f"vllm-{version}+cpu.dist-info"
         stub.mkdir(exist_ok=True)
         (stub / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
         (stub / "RECORD").write_text("")
@@ -214,15 +212,21 @@ def build(version: str, force: bool = False) -> dict:
             "versions": out.stdout.strip()}
 
 
+def site_packages(py) -> Path:
+    """The environment's site-packages directory, as its own interpreter reports it."""
+    out = subprocess.run([str(py), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return Path(out)
+
+
 def compile_bytecode(py: str) -> None:
     """Write the .pyc files of everything installed, once. uv installs none, and where
     PYTHONDONTWRITEBYTECODE is set (as on this project's machines) Python never caches them, so
     every process would compile vLLM, torch and transformers from source again: each spawned vLLM
     worker spent ~20 s importing, ~8 s with bytecode (vLLM 0.12, 2 cores)."""
     t = time.time()
-    site = subprocess.run([py, "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    r = subprocess.run([py, "-m", "compileall", "-q", "-j", "0", site], capture_output=True, text=True)
+    r = subprocess.run([py, "-m", "compileall", "-q", "-j", "0", str(site_packages(py))],
+                       capture_output=True, text=True)
     # rc 1 when some file does not compile (templates, code for other Pythons): those are never imported
     failed = r.stdout.count("***") + r.stderr.count("***")
     log(f"  bytecode compiled in {time.time() - t:.1f}s ({failed} file(s) skipped as not compilable)")
@@ -255,9 +259,7 @@ def preload_for(version: str) -> str:
     """LD_PRELOAD a vLLM CPU build insists on (0.18's worker refuses to start without tcmalloc and
     Intel OpenMP preloaded), or "" when its worker has no such check. Installs Debian's tcmalloc once."""
     py = env_python(version)
-    site = subprocess.run([str(py), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True).stdout.strip()
-    worker = Path(site) / "vllm" / "v1" / "worker" / "cpu_worker.py"
+    worker = site_packages(py) / "vllm" / "v1" / "worker" / "cpu_worker.py"
     if not worker.exists() or 'check_preloaded_libs("libtcmalloc")' not in worker.read_text():
         return ""
     libs = []

@@ -17,6 +17,7 @@ from speculators_compat.engine.core import CaptureError
 from speculators_compat.testing import models, reference
 from tests.engine.test_dropin import LAYERS, TOL, check
 
+
 def test_lent_results_are_never_overwritten_and_memory_stays_flat(llama_path, hf_ref):
     """Zero-copy hand-off (the default): prompts prefilled in one step come back as tensors over
     the worker's /dev/shm arena slab. The worker must never write a later batch into a slab whose
