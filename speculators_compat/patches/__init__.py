@@ -2,12 +2,14 @@
 from .speculators_generator import SpeculatorsGeneratorPatch
 from .speculators_worker import SpeculatorsWorkerPatch
 from .transformers_compat import AttnMaskUtilsPatch, ConfigTorchPatch
+from .vllm_kv_cache_names import KVCacheNamesPatch
 from .vllm_request import RequestPatch
 
 PATCHES = [
     ConfigTorchPatch(),
     AttnMaskUtilsPatch(),
     RequestPatch(),
+    KVCacheNamesPatch(),
     SpeculatorsGeneratorPatch(),
     SpeculatorsWorkerPatch(),
 ]

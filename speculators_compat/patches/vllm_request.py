@@ -7,10 +7,12 @@ Two breaks, two patches:
   (``SamplingParams.update_from_generation_config({}, eos_token_id=...)``), where 0.17+ reads it.
 * ``vllm_request_block_hasher`` (vLLM 0.12+): prefix caching is on by default, and a Request built
   without ``block_hasher`` then crashes the scheduler (AssertionError in ``cache_full_blocks``,
-  IndexError from 0.28). The wrapper records every Scheduler whose KV-cache manager caches
-  prefixes, and supplies the matching block hasher to Requests built without one. Our own engine
-  turns prefix caching off (a cache hit skips computing, so nothing would be captured); this keeps
-  other hand-built loops alive.
+  IndexError from 0.28; 0.33 caches only the blocks a request has hashes for, so there it is never
+  cached instead). The wrapper records every Scheduler whose KV-cache manager caches prefixes, and
+  supplies the block hasher vLLM would give its own requests (same hash block size, algorithm and,
+  from 0.33, look-ahead tokens) to Requests built without one. Our own engine turns prefix caching
+  off (a cache hit skips computing, so nothing would be captured); this keeps other hand-built
+  loops alive.
 """
 from __future__ import annotations
 
@@ -63,13 +65,13 @@ def _set_eos(sampling_params, eos: int) -> None:
         upd({}, eos_token_id=eos)
 
 
-# Schedulers that cache prefixes, and the (hash block size, hash algorithm) each needs.
-_caching_schedulers: "weakref.WeakKeyDictionary[Any, tuple[int, str]]" = weakref.WeakKeyDictionary()
-_hasher_cache: dict[tuple[int, str], Any] = {}
+# Schedulers that cache prefixes, and the (hash block size, hash algorithm, look-ahead tokens) each needs.
+_caching_schedulers: "weakref.WeakKeyDictionary[Any, tuple[int, str, int]]" = weakref.WeakKeyDictionary()
+_hasher_cache: dict[tuple[int, str, int], Any] = {}
 
 
-def _hasher_for(block_size: int, algo: str):
-    key = (block_size, algo)
+def _hasher_for(block_size: int, algo: str, lookahead: int = 0):
+    key = (block_size, algo, lookahead)
     if key not in _hasher_cache:
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
@@ -79,7 +81,10 @@ def _hasher_for(block_size: int, algo: str):
             from vllm.utils import get_hash_fn_by_name  # 0.11
         fn = get_hash_fn_by_name(algo)
         init_none_hash(fn)
-        _hasher_cache[key] = get_request_block_hasher(block_size, fn)
+        # 0.33+: hashes may also cover look-ahead tokens (speculative decoding); pass them only when
+        # set, so older signatures (two parameters) are called as before
+        args = (block_size, fn, lookahead) if lookahead else (block_size, fn)
+        _hasher_cache[key] = get_request_block_hasher(*args)
     return _hasher_cache[key]
 
 
@@ -102,10 +107,10 @@ class RequestPatch(Patch):
     versions = ">=0.12"
     process = "driver"
     risk = ("medium: reads Scheduler.kv_cache_manager.enable_caching, hash_block_size/block_size and "
-            "calls get_request_block_hasher(block_size, hash_fn); Request gained only optional "
+            "calls get_request_block_hasher(block_size, hash_fn[, num_hash_lookahead_tokens]); Request gained only optional "
             "parameters since 0.17")
     description = ("0.12+: supply the block hasher a prefix-caching scheduler needs to Requests built "
-                   "without one (else AssertionError/IndexError in cache_full_blocks); 0.17+: drop "
+                   "without one (else AssertionError/IndexError in cache_full_blocks; 0.33: never cached); 0.17+: drop "
                    "Request(eos_token_id=) (TypeError) and set it on the sampling params instead")
     test = ("tests/engine/test_patches_engine.py::test_request_patch_block_hasher, "
             "tests/engine/test_patches_engine.py::test_request_patch_eos")
@@ -116,7 +121,8 @@ class RequestPatch(Patch):
         params = _request_params(Request)
         parts = []
         if "block_hasher" in params:
-            parts.append("Request(block_hasher=None) crashes a prefix-caching scheduler")
+            parts.append("Request(block_hasher=None) is never hashed: a prefix-caching scheduler "
+                         "crashes on it (0.12-0.32) or never caches it (0.33)")
         if "eos_token_id" not in params:
             parts.append("Request has no eos_token_id parameter")
         return "; ".join(parts) or None
@@ -136,7 +142,8 @@ class RequestPatch(Patch):
                 if bs is None:
                     bs = instance.cache_config.block_size
                 algo = getattr(instance.cache_config, "prefix_caching_hash_algo", "sha256")
-                _caching_schedulers[instance] = (int(bs), algo)
+                lookahead = getattr(getattr(instance, "vllm_config", None), "num_hash_lookahead_tokens", 0)
+                _caching_schedulers[instance] = (int(bs), algo, int(lookahead or 0))
             return result
 
         def req_init(wrapped, instance, args, kwargs):

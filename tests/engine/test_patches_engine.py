@@ -50,10 +50,10 @@ cfg = EngineArgs(model=path, enforce_eager=True, enable_prefix_caching=True, max
                  distributed_executor_backend="mp", dtype="float32").create_engine_config()
 core = EngineCore(cfg, Executor.get_class(cfg), log_stats=False)
 prompt = models.random_prompts([400], seed=1)[0]
+import inspect
 def hand_built(rid):  # what upstream / a user's hand-driven loop does: no block_hasher
     kw = dict(request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
               pooling_params=None)
-    import inspect
     if "eos_token_id" in inspect.signature(Request.__init__).parameters:
         kw["eos_token_id"] = 2
     return Request(**kw)
@@ -65,9 +65,18 @@ def drive(rid):
         return "ok"
     except Exception as e:
         return type(e).__name__
-out = {"patched_has_hasher": bool(hand_built("probe").block_hashes)}
+probe = hand_built("probe")
+out = {"patched_has_hasher": bool(probe.block_hashes)}
+own = getattr(core, "request_block_hasher", None)  # the hasher vLLM gives its own requests
+if own is not None:
+    kw = dict(request_id="own", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
+              pooling_params=None, block_hasher=own)
+    if "eos_token_id" in inspect.signature(Request.__init__).parameters:
+        kw["eos_token_id"] = 2
+    out["same_hashes_as_vllm"] = Request(**kw).block_hashes == probe.block_hashes
 out["patched"] = drive("with-patch")
 speculators_compat.unpatch()
+out["unpatched_has_hasher"] = bool(hand_built("probe2").block_hashes)
 out["unpatched"] = drive("without-patch")
 emit(out)
 core.shutdown()
@@ -80,8 +89,15 @@ def test_request_patch_block_hasher(vllm_version):
     result, log = run_snippet(BLOCK_HASHER_SNIPPET)
     assert result is not None, log
     assert result["patched"] == "ok" and result["patched_has_hasher"], result
-    # upstream's crash: AssertionError in cache_full_blocks (0.12-0.24), IndexError from 0.28
-    assert result["unpatched"] in ("AssertionError", "IndexError"), result
+    # the supplied hasher is the one vLLM gives its own requests (same hashes: prefix-cache hits agree)
+    assert result.get("same_hashes_as_vllm", True), result
+    assert not result["unpatched_has_hasher"], result
+    if vllm_version < Version("0.33"):
+        # upstream's crash: AssertionError in cache_full_blocks (0.12-0.24), IndexError from 0.28
+        assert result["unpatched"] in ("AssertionError", "IndexError"), result
+    else:
+        # 0.33 caches only blocks it has hashes for: no crash, the request is just never cached
+        assert result["unpatched"] == "ok", result
 
 
 # ---------------------------------------------------------------- speculators_worker_extension
@@ -166,6 +182,43 @@ emit(out)
             or "transformers.modeling_attn_mask_utils" in without["import"]), without
     with_, log = run_snippet("import speculators_compat\n" + snippet)
     assert with_ == {"import": "ok"}, log
+
+
+# ---------------------------------------------------------------- vllm_kv_cache_names (0.33+)
+KV_NAMES_SNIPPET = r'''
+import speculators_compat
+import vllm.v1.core.kv_cache_utils as kvu  # the patch's trigger module
+from speculators_compat import registry
+p = next(x for x in registry.all_patches() if x.name == "vllm_kv_cache_names")
+out = {"applied": p.is_applied(), "reason": p.state.reason}
+if REVERT:
+    p.revert()
+try:
+    import speculators.data_generation  # noqa  (imports upstream's generator module)
+    from speculators.data_generation.vllm_hidden_states_generator import get_kv_cache_config_from_groups as f
+    out["import"] = "ok"
+    out["same_function"] = f is kvu.get_kv_cache_config_from_groups
+except Exception as e:
+    out["import"] = f"{type(e).__name__}: {e}"
+emit(out)
+'''
+
+
+def test_kv_cache_names_patch():
+    import vllm.v1.core.kv_cache_utils as kvu
+
+    from speculators_compat.patches.vllm_kv_cache_names import MOVED
+
+    if all(n in vars(kvu) for n in MOVED):
+        assert not _patch("vllm_kv_cache_names").is_applied()
+        pytest.skip("this vLLM's kv_cache_utils still has the helpers speculators imports (0.11-0.32)")
+    without, log = run_snippet(KV_NAMES_SNIPPET.replace("REVERT", "True"))
+    assert without is not None, log
+    assert without["applied"], without
+    assert "ImportError" in without["import"] and "kv_cache_utils" in without["import"], without
+    with_, log = run_snippet(KV_NAMES_SNIPPET.replace("REVERT", "False"))
+    assert with_ is not None, log
+    assert with_["import"] == "ok" and with_["same_function"], with_
 
 
 # ---------------------------------------------------------------- registry on the real targets
