@@ -48,12 +48,13 @@ def _params(fn) -> set[str]:
         return set()
 
 
-def _module_exists(name: str) -> bool:
+def module_exists(name: str) -> bool:
+    """Whether ``name`` can be imported, without importing it (parents are imported by find_spec)."""
     import importlib.util
 
     try:
         return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # a parent package is missing
+    except (ImportError, ValueError):  # a parent package is missing; a module without __spec__
         return False
 
 
@@ -83,7 +84,7 @@ def probe() -> VllmFacts:
         request_takes_block_hasher="block_hasher" in req,
         two_phase=hasattr(Executor, "sample_tokens"),
         engine_core_step_fn="step_with_batch_queue" in dir(EngineCore),
-        has_v2_runner=_module_exists("vllm.v1.worker.gpu.model_runner"),
+        has_v2_runner=module_exists("vllm.v1.worker.gpu.model_runner"),
         scheduler_config_needs_is_encoder_decoder="is_encoder_decoder" in fields,
         scheduler_takes_block_size="block_size" in sched,
         scheduler_takes_hash_block_size="hash_block_size" in sched,

@@ -19,11 +19,11 @@ AttributeError naming this patch, the vLLM version and the modules looked in.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import logging
 
 from .. import versions
+from ..engine.facts import module_exists
 from ..registry import Patch, PatchTargetError
 
 logger = logging.getLogger("speculators_compat")
@@ -66,7 +66,7 @@ class KVCacheNamesPatch(Patch):
 
     def _apply(self, module):
         missing = _missing(module)
-        homes = [h for h in NEW_HOMES if _spec_exists(h)]
+        homes = [h for h in NEW_HOMES if module_exists(h)]
         if not homes:
             raise PatchTargetError(
                 f"patch {self.name}: vLLM {versions.installed('vllm')}: kv_cache_utils lacks {missing} "
@@ -112,13 +112,6 @@ class KVCacheNamesPatch(Patch):
             del module.__getattr__
         else:
             module.__getattr__ = previous
-
-
-def _spec_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def _check_signature(patch_name: str, attr: str, fn, home: str) -> None:

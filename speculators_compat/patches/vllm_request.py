@@ -107,11 +107,12 @@ class RequestPatch(Patch):
     versions = ">=0.12"
     process = "driver"
     risk = ("medium: reads Scheduler.kv_cache_manager.enable_caching, hash_block_size/block_size and "
-            "calls get_request_block_hasher(block_size, hash_fn[, num_hash_lookahead_tokens]); Request gained only optional "
-            "parameters since 0.17")
+            "calls get_request_block_hasher(block_size, hash_fn[, num_hash_lookahead_tokens]); "
+            "Request gained only optional parameters since 0.17")
     description = ("0.12+: supply the block hasher a prefix-caching scheduler needs to Requests built "
-                   "without one (else AssertionError/IndexError in cache_full_blocks; 0.33: never cached); 0.17+: drop "
-                   "Request(eos_token_id=) (TypeError) and set it on the sampling params instead")
+                   "without one (else AssertionError/IndexError in cache_full_blocks; 0.33: never "
+                   "cached); 0.17+: drop Request(eos_token_id=) (TypeError) and set it on the sampling "
+                   "params instead")
     test = ("tests/engine/test_patches_engine.py::test_request_patch_block_hasher, "
             "tests/engine/test_patches_engine.py::test_request_patch_eos")
 

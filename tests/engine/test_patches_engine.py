@@ -67,7 +67,8 @@ def drive(rid):
         return type(e).__name__
 probe = hand_built("probe")
 out = {"patched_has_hasher": bool(probe.block_hashes)}
-own = getattr(core, "request_block_hasher", None)  # the hasher vLLM gives its own requests
+own = getattr(core, "request_block_hasher", None)  # the hasher vLLM gives its own requests (0.12+)
+out["same_hashes_as_vllm"] = None
 if own is not None:
     kw = dict(request_id="own", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
               pooling_params=None, block_hasher=own)
@@ -90,7 +91,7 @@ def test_request_patch_block_hasher(vllm_version):
     assert result is not None, log
     assert result["patched"] == "ok" and result["patched_has_hasher"], result
     # the supplied hasher is the one vLLM gives its own requests (same hashes: prefix-cache hits agree)
-    assert result.get("same_hashes_as_vllm", True), result
+    assert result["same_hashes_as_vllm"] is True, result
     assert not result["unpatched_has_hasher"], result
     if vllm_version < Version("0.33"):
         # upstream's crash: AssertionError in cache_full_blocks (0.12-0.24), IndexError from 0.28
