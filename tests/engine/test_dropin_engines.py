@@ -222,12 +222,42 @@ def test_kimi_k25_wrapper_text_only(vllm_version, hf_ref):
 
 @pytest.mark.slow
 def test_tensor_parallel_2(llama_path, hf_ref, monkeypatch):
-    """TP=2 on two CPU workers (one core each). Tiny Llama: vLLM's CPU backend cannot run MLA here."""
+    """TP=2 on two CPU workers (one core each), tiny Llama: every row of every layer against HF.
+    (test_deepseek_v3_tensor_parallel_2 runs the MLA+MoE model at TP=2 where CPU vLLM runs MLA.)"""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     with VllmHiddenStatesGenerator(llama_path, layer_ids=[1, 3, 5], max_model_len=1024, dtype="float32",
                                    tensor_parallel_size=2, max_num_batched_tokens=256) as g:
         check(g, llama_path, models.random_prompts([5, 400, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3], seed=41),
               hf_ref, layers=[1, 3, 5])
+
+
+@pytest.mark.slow
+def test_deepseek_v3_tensor_parallel_2(vllm_version, hf_ref, monkeypatch):
+    """The DeepSeek-V3 (Kimi-K2) architecture at TP=2 on two CPU workers: MLA heads and every
+    expert's weights split over the ranks, the rows all-reduced after attention and after each MoE
+    layer. CPU MLA differs from HF beyond position 0 (DEEPSEEK_CPU_NOTE; measured on 0.32, it also
+    moves with the TP size: TP=2 against TP=1 rel. 0.66), so the proof is each request's
+    position-0 row, in every layer, against HF: a row given to the wrong request, or a rank's
+    partial sum, fails it. (Expert parallelism is not run: vLLM 0.32's CPU fused-MoE kernel
+    segfaults with it, and the generator reports the dead worker.)"""
+    if vllm_version < Version("0.29"):
+        pytest.skip(f"vLLM {vllm_version}: its CPU backend runs no MLA before 0.29 (docs/compatibility.md); "
+                    "TP=2 with this architecture ran on two H200s (docs/gpu-results.md section 5)")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    path = str(models.build("deepseek_v3"))
+    layers = [0, 1, 3]
+    experts = json.loads((Path(path) / "config.json").read_text())["n_routed_experts"]
+    prompts = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200], seed=33)
+    with VllmHiddenStatesGenerator(path, layer_ids=layers, max_model_len=1024, dtype="float32",
+                                   tensor_parallel_size=2, max_num_batched_tokens=128, max_num_seqs=4) as g:
+        assert g.engine.model_info["moe_local_experts"] == experts  # TP without EP: a slice of each
+        res = g.generate(prompts)
+    ref = hf_ref(path, layers)
+    for i, (r, p) in enumerate(zip(res, prompts)):
+        assert r["input_ids"].tolist() == p
+        for j, (got, want) in enumerate(zip(r["hidden_states"], ref(p))):
+            assert got.shape == want.shape
+            assert float((got[0].float() - want[0]).norm() / want[0].norm()) < TOL, (i, layers[j])
 
 
 FORK_SNIPPET = r'''

@@ -73,3 +73,30 @@ def test_overlong_sequence_is_truncated_like_upstream(upstream_gen, hf_ref):
     assert res[0]["input_ids"].tolist() == long[:2047]
     worst, bad = reference.compare([res[0]["hidden_states"]], [long[:2047]], hf_ref(path, LAYERS), TOL)
     assert not bad, bad
+
+
+def test_upstream_offline_script_steps(upstream_gen, hf_ref, tmp_path):
+    """What speculators 0.3.0's scripts/data_generation_offline.py does with the generator: a batch
+    from a torch-formatted datasets column (a list of 1-D tensors), each result paired with its
+    loss mask by position, then ``DataGenerationConfig.from_generator`` reading the generator's
+    model_path / tensor_parallel_size / vllm_config / layer_ids for ``data_config.json``."""
+    import json
+
+    import torch
+    from speculators.data_generation.config_generator import DataGenerationConfig
+
+    path, gen = upstream_gen
+    prompts = models.random_prompts([40, 7, 300, 12], seed=21)
+    res = gen.generate([torch.tensor(p) for p in prompts])
+    assert [r["input_ids"].tolist() for r in res] == prompts
+    worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, hf_ref(path, LAYERS), TOL)
+    assert not bad, f"worst rel err {worst}; mismatches: {bad[:5]}"
+    cfg = DataGenerationConfig.from_generator(generator=gen, train_data_path="local.jsonl", seq_length=2048,
+                                              cache_dir=str(tmp_path), num_samples=len(prompts), max_samples=None,
+                                              seed=0)
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert d["model"]["target_model_path"] == path
+    assert d["model"]["tensor_parallel_size"] == 1
+    assert d["model"]["gpu_memory_utilization"] == 0.8  # upstream's default, kept
+    assert d["model"]["hidden_size"] == 128
+    assert d["hidden_states"]["layer_ids"] == LAYERS
