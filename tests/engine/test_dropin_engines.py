@@ -239,7 +239,7 @@ def test_deepseek_v3_tensor_parallel_2(vllm_version, hf_ref, monkeypatch):
     moves with the TP size: TP=2 against TP=1 rel. 0.66), so the proof is each request's
     position-0 row, in every layer, against HF: a row given to the wrong request, or a rank's
     partial sum, fails it. (Expert parallelism is not run: vLLM 0.32's CPU fused-MoE kernel
-    segfaults with it, and the generator reports the dead worker.)"""
+    segfaulted with it, measured once, and the generator reported the dead worker.)"""
     if vllm_version < Version("0.29"):
         pytest.skip(f"vLLM {vllm_version}: its CPU backend runs no MLA before 0.29 (docs/compatibility.md); "
                     "TP=2 with this architecture ran on two H200s (docs/gpu-results.md section 5)")
