@@ -84,7 +84,8 @@ NOTE_020 = ("- 2026-12-02 (twentieth session): re-swept on the current code (aft
             "nineteenth sessions' changes: text-only multimodal wrappers, spawned workers on CUDA hosts, the "
             "0.33 patch, the block hasher's look-ahead) with a wider selection: the Request patch's block hashes "
             "checked equal to vLLM's own hasher, upstream's worker extension in spawned workers, and the "
-            "Kimi-K2.5 wrapper (INT4 layout's text model, text only) where CPU vLLM runs MLA. Rows marked "
+            "Kimi-K2.5 wrapper (the tiny DeepSeek-V3 in KimiK25ForConditionalGeneration's layout, run text "
+            "only) where CPU vLLM runs MLA. Rows marked "
             "'(earlier sweep)' were not re-run this time and keep the sixteenth session's cells; a column "
             "that sweep did not have says 'not in that sweep'.")
 
