@@ -4,9 +4,8 @@ their own, kept apart from test_upstream_patched.py's module-wide engines (one e
 import pytest
 
 import speculators_compat  # noqa: F401  (the user's one-line change)
-from speculators_compat.testing import models, reference
-
-TOL = reference.TOLERANCE["bfloat16"]  # upstream's dtype="auto" runs these float32 checkpoints in bf16
+from speculators_compat.testing import models
+from tests.engine.test_upstream_patched import LAYERS, _check  # input order, every layer vs HF (bf16)
 
 
 @pytest.mark.slow
@@ -14,21 +13,15 @@ def test_upstream_tensor_parallel_2(llama_path, hf_ref, monkeypatch):
     """The user's unchanged script with ``tensor_parallel_size=2`` (the flagship job runs TP=8): two
     CPU workers, one core each. 11 x 900 tokens exceed upstream's 8,192-token step, so the batch
     spans two scheduler steps with one prompt split by chunked prefill; then a second call. Every
-    row of every layer is compared with HF, in input order."""
+    row of every layer is compared with HF (bf16: upstream's dtype="auto"), in input order."""
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    layers = [1, 3, 5]
-    gen = VllmHiddenStatesGenerator(llama_path, layer_ids=layers, max_model_len=1024, tensor_parallel_size=2)
+    gen = VllmHiddenStatesGenerator(llama_path, layer_ids=LAYERS, max_model_len=1024, tensor_parallel_size=2)
     try:
         assert gen.vllm_config.parallel_config.tensor_parallel_size == 2
-        ref = hf_ref(llama_path, layers)
-        for prompts in (models.random_prompts([900] * 11, seed=43),
-                        models.random_prompts([5, 400, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3], seed=44)):
-            res = gen.generate(prompts)
-            assert [r["input_ids"].tolist() for r in res] == prompts
-            assert all(len(r["hidden_states"]) == len(layers) for r in res)
-            worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, ref, TOL)
-            assert not bad, f"worst rel err {worst}; mismatches: {bad[:5]}"
+        _check(gen, llama_path, models.random_prompts([900] * 11, seed=43), hf_ref)
+        _check(gen, llama_path, models.random_prompts([5, 400, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3], seed=44),
+               hf_ref)
     finally:
         gen.__del__()

@@ -77,9 +77,10 @@ def test_overlong_sequence_is_truncated_like_upstream(upstream_gen, hf_ref):
 
 def test_upstream_offline_script_steps(upstream_gen, hf_ref, tmp_path):
     """What speculators 0.3.0's scripts/data_generation_offline.py does with the generator: a batch
-    from a torch-formatted datasets column (a list of 1-D tensors), each result paired with its
-    loss mask by position, then ``DataGenerationConfig.from_generator`` reading the generator's
-    model_path / tensor_parallel_size / vllm_config / layer_ids for ``data_config.json``."""
+    from a torch-formatted datasets column (a list of 1-D tensors), results that the script pairs
+    with its loss masks by position (so input order is checked), then
+    ``DataGenerationConfig.from_generator`` reading the generator's model_path /
+    tensor_parallel_size / vllm_config / layer_ids for ``data_config.json``."""
     import json
 
     import torch
