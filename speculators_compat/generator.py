@@ -18,9 +18,10 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from numbers import Integral
+from typing import Any, Iterable, Sequence
 
-from .engine.core import CaptureError, EngineOptions, ExtractionEngine
+from .engine.core import CaptureError, EngineOptions, ExtractionEngine, TokenIdError
 
 logger = logging.getLogger("speculators_compat")
 
@@ -67,12 +68,15 @@ def normalize_layer_ids(layer_ids: Sequence[int] | None, num_layers: int, conven
         raise ValueError(f"layer_id_convention must be 'upstream' or 'eagle3', not {convention!r}")
     if layer_ids is None:
         return default_layer_ids(num_layers)
+    if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Iterable):
+        raise TypeError(f"layer_ids must be a list of integers, not {type(layer_ids).__name__}")
     ids = list(layer_ids)
     if not ids:
         raise ValueError("layer_ids is empty: give at least one decoder layer id")
     for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int):
+        if isinstance(i, bool) or not isinstance(i, Integral):
             raise TypeError(f"layer ids must be integers, got {i!r} ({type(i).__name__})")
+    ids = [int(i) for i in ids]  # numpy / torch integers become plain ints
     if not allow_duplicates and len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise ValueError(f"duplicate layer ids {dup}")
@@ -100,35 +104,58 @@ def token_tensor(ids: list[int]):
     return torch.frombuffer(array.array("q", ids), dtype=torch.long) if ids else torch.zeros(0, dtype=torch.long)
 
 
-def to_token_lists(token_ids: Any) -> list[list[int]]:
-    """Validate a batch: list of int lists, or a 2-D integer tensor / array."""
-    if hasattr(token_ids, "tolist") and hasattr(token_ids, "dim"):  # torch.Tensor
-        if token_ids.dim() != 2:
-            raise ValueError(f"token_ids tensor must be 2-D [batch, seq], got shape {tuple(token_ids.shape)}")
-        if token_ids.is_floating_point():
-            raise TypeError("token_ids tensor must hold integers, not floating point")
-        token_ids = token_ids.tolist()
+def _array_to_lists(arr: Any, what: str) -> list:
+    """A torch tensor or numpy array of integers as nested lists, its rank checked (``None`` if
+    ``arr`` is neither)."""
+    if hasattr(arr, "dim") and hasattr(arr, "is_floating_point"):  # torch.Tensor
+        ndim, integral = arr.dim(), not (arr.is_floating_point() or arr.is_complex())
+        integral = integral and str(arr.dtype) != "torch.bool"
+    elif hasattr(arr, "ndim") and hasattr(getattr(arr, "dtype", None), "kind"):  # numpy.ndarray
+        ndim, integral = arr.ndim, arr.dtype.kind in "iu"
+    else:
+        return None
+    if what == "token_ids" and ndim != 2:
+        raise ValueError(f"token_ids {type(arr).__name__} must be 2-D [batch, seq], got shape {tuple(arr.shape)}")
+    if what != "token_ids" and ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got a {type(arr).__name__} of shape {tuple(arr.shape)}")
+    if not integral:
+        raise TypeError(f"{what} {type(arr).__name__} must hold integers, not {arr.dtype}")
+    return arr.tolist()
+
+
+def to_token_lists(token_ids: Any, vocab_size: int | None = None) -> list[list[int]]:
+    """Validate a batch: a list of token-id sequences (lists, tuples, 1-D integer tensors or numpy
+    arrays; numpy / torch integer scalars are accepted), or a 2-D integer tensor / numpy array.
+    With ``vocab_size``, an id at or above it raises TokenIdError (a ValueError naming the sequence)."""
+    as_lists = _array_to_lists(token_ids, "token_ids")
+    if as_lists is not None:
+        token_ids = as_lists
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise TypeError(f"token_ids must be a list of token-id lists, got {type(token_ids).__name__}")
     if len(token_ids) == 0:
         raise ValueError("token_ids cannot be empty")
     out = []
     for i, seq in enumerate(token_ids):
-        if hasattr(seq, "tolist"):
-            seq = seq.tolist()
+        as_list = _array_to_lists(seq, f"sequence {i}")
+        if as_list is not None:
+            seq = as_list
         if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
             raise TypeError(f"sequence {i} must be a list of token ids, got {type(seq).__name__}")
         if len(seq) == 0:
             raise ValueError(f"sequence {i} is empty")
-        if set(map(type, seq)) == _INT and min(seq) >= 0:  # the common case, ~2x faster than the loop
+        if (set(map(type, seq)) == _INT and min(seq) >= 0  # the common case, ~2x faster than the loop
+                and (vocab_size is None or max(seq) < vocab_size)):
             out.append(list(seq))
             continue
         for t in seq:  # find the first bad token and name it
-            if isinstance(t, bool) or not isinstance(t, int):
+            if isinstance(t, bool) or not isinstance(t, Integral):
                 raise TypeError(f"sequence {i} holds a non-integer token {t!r} ({type(t).__name__})")
             if t < 0:
                 raise ValueError(f"sequence {i} holds a negative token id {t}")
-        out.append(list(seq))
+        hi = max(seq)
+        if vocab_size is not None and hi >= vocab_size:
+            raise TokenIdError(i, int(hi), vocab_size)
+        out.append([int(t) for t in seq])  # numpy / torch integer scalars become plain ints
     return out
 
 
@@ -211,9 +238,9 @@ class VllmHiddenStatesGenerator:
         behaviour; a warning names them) or rejected with ``on_overlength="error"``."""
         import torch
 
-        seqs = to_token_lists(token_ids)
+        seqs = to_token_lists(token_ids, self._engine.vocab_size)
         seqs = self._fit(seqs)
-        states = self._engine.run(seqs)
+        states = self._engine.run(seqs, ids_checked=True)
         results = []
         # NaN/Inf rows are detected on the device by the capture (CaptureError names the prompt)
         for ids, layers in zip(seqs, states):
@@ -275,4 +302,4 @@ def _check_devices(tp: int) -> None:
 
 
 __all__ = ["VllmHiddenStatesGenerator", "default_layer_ids", "normalize_layer_ids", "read_num_layers",
-           "to_token_lists", "CaptureError"]
+           "to_token_lists", "CaptureError", "TokenIdError"]

@@ -24,10 +24,34 @@ def test_tensor_batches():
     assert to_token_lists(torch.tensor([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]
     with pytest.raises(ValueError, match="2-D"):
         to_token_lists(torch.tensor([1, 2, 3]))
-    with pytest.raises(TypeError, match="floating"):
+    with pytest.raises(TypeError, match="must hold integers, not torch.float32"):
         to_token_lists(torch.zeros(2, 3))
+    with pytest.raises(TypeError, match="not torch.bool"):
+        to_token_lists(torch.ones(2, 3, dtype=torch.bool))
     # a ragged batch cannot even be a tensor; as nested lists it is fine
     assert to_token_lists([torch.tensor([1, 2, 3]), torch.tensor([4])]) == [[1, 2, 3], [4]]
+    with pytest.raises(ValueError, match="sequence 1 must be 1-D, got a Tensor of shape \\(1, 2\\)"):
+        to_token_lists([torch.tensor([1]), torch.tensor([[1, 2]])])
+
+
+def test_numpy_batches():
+    """A datasets column in numpy format: a 2-D array, or a list of 1-D arrays, or lists holding
+    numpy integer scalars. Tokens come back as plain ints (vLLM's prompt validation wants ints)."""
+    np = pytest.importorskip("numpy")
+    out = to_token_lists(np.array([[1, 2], [3, 4]], dtype=np.int32))
+    assert out == [[1, 2], [3, 4]] and {type(t) for s in out for t in s} == {int}
+    out = to_token_lists([np.array([5, 6, 7], dtype=np.uint16), [np.int64(8), 9]])
+    assert out == [[5, 6, 7], [8, 9]] and {type(t) for s in out for t in s} == {int}
+    with pytest.raises(TypeError, match="token_ids ndarray must hold integers, not float64"):
+        to_token_lists(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="must be 2-D \\[batch, seq\\], got shape \\(3,\\)"):
+        to_token_lists(np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="sequence 0 holds a negative token id -2"):
+        to_token_lists(np.array([[1, -2]]))
+    with pytest.raises(TypeError, match="sequence 1 holds a non-integer token"):
+        to_token_lists([[1], [np.float32(2.0)]])
+    assert normalize_layer_ids(np.array([1, 3]), 6) == [1, 3]
+    assert all(type(i) is int for i in normalize_layer_ids([np.int64(2)], 6))
 
 
 @pytest.mark.parametrize("ids,exc,text", [
@@ -36,6 +60,8 @@ def test_tensor_batches():
     ([-1], ValueError, "out of bounds"),
     ([6], ValueError, "out of bounds \\[0, 5\\]"),
     ([1.0], TypeError, "integers"),
+    (3, TypeError, "layer_ids must be a list of integers, not int"),
+    ("2", TypeError, "layer_ids must be a list of integers, not str"),
 ])
 def test_bad_layer_ids(ids, exc, text):
     with pytest.raises(exc, match=text):

@@ -371,6 +371,47 @@ class WorkerDiedError(RuntimeError):
     """A vLLM worker process died; the engine cannot continue (files already written are intact)."""
 
 
+class TokenIdError(ValueError):
+    """A sequence holds a token id the model cannot embed (negative, or at or above its vocabulary
+    size). ``seq`` is its index in the batch, ``token`` the id, ``vocab`` the vocabulary size.
+
+    Checked before anything reaches vLLM: we hand it token ids directly, past the input processor
+    that checks them for ``LLM.generate``. Unchecked, such an id is an IndexError in a CPU worker, a
+    device-side assert that kills the engine on CUDA, and under tensor parallelism (where each rank
+    masks the ids outside its shard of the table) a row of zeros: silently wrong states."""
+
+    def __init__(self, seq: int, token: int, vocab: int | None):
+        self.seq, self.token, self.vocab = seq, token, vocab
+        if vocab is None:
+            msg = f"sequence {seq} holds a negative token id {token}"
+        else:
+            msg = (f"sequence {seq} holds token id {token}, outside the model's vocabulary of {vocab} ids "
+                   f"[0, {vocab - 1}] (tokenized for another model?)")
+        super().__init__(msg)
+
+
+def model_vocab_size(vllm_config) -> int | None:
+    """The number of token ids the model's (text) embedding table has, as vLLM reads it."""
+    mc = vllm_config.model_config
+    get = getattr(mc, "get_vocab_size", None)
+    v = get() if callable(get) else getattr(getattr(mc, "hf_text_config", None), "vocab_size", None)
+    return int(v) if v else None
+
+
+def check_token_ids(prompts: Sequence[Sequence[int]], vocab: int | None) -> None:
+    """Raise TokenIdError for the first sequence holding an id the model cannot embed."""
+    for i, p in enumerate(prompts):
+        if not p:
+            continue
+        lo = min(p)
+        if lo < 0:
+            raise TokenIdError(i, lo, None)
+        if vocab is not None:
+            hi = max(p)
+            if hi >= vocab:
+                raise TokenIdError(i, hi, vocab)
+
+
 def resolve_async(strategy: str | None) -> str:
     s = strategy if strategy is not None else os.environ.get(ASYNC_ENV, "keep")
     if s not in ASYNC_CHOICES:
@@ -559,6 +600,10 @@ class ExtractionEngine:
         self.model_info = infos[0]
         if not any(i.get("capturing") for i in infos):
             raise RuntimeError("speculators_compat: no worker rank captures hidden states")
+        self.vocab_size = model_vocab_size(self.vllm_config)
+        if self.vocab_size is None:
+            logger.warning("speculators_compat: cannot read the model's vocabulary size from vLLM's "
+                           "config; token ids will be checked for sign only")
         self.startup_seconds = time.time() - t0
         logger.info("engine ready in %.1fs (%s, layers %s)", self.startup_seconds,
                     self.model_info.get("model"), self.layer_ids)
@@ -586,20 +631,25 @@ class ExtractionEngine:
         return out[0] if self._rpc_unwrap else out
 
     # ------------------------------------------------------------------ the loop
-    def run(self, prompts: Sequence[Sequence[int]]) -> list[list[Any]]:
-        """Hidden states for each prompt: ``result[i][j]`` is [len(prompts[i]), hidden] for layer j."""
+    def run(self, prompts: Sequence[Sequence[int]], *, ids_checked: bool = False) -> list[list[Any]]:
+        """Hidden states for each prompt: ``result[i][j]`` is [len(prompts[i]), hidden] for layer j.
+
+        Token ids are checked against the vocabulary (TokenIdError) unless the caller already did
+        (``ids_checked``: the drop-in generator checks them while validating the batch)."""
         if self._closed:
             raise RuntimeError("engine was shut down")
         with self._lock:
-            return self._run(prompts)
+            return self._run(prompts, ids_checked)
 
-    def _run(self, prompts):
+    def _run(self, prompts, ids_checked=False):
         max_len = self.max_model_len - 1  # room for the one sampled token
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
             if len(p) > max_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; at most max_model_len - 1 = {max_len} fit")
+        if not ids_checked:
+            check_token_ids(prompts, self.vocab_size)
         self._calls += 1
         t_prep = time.perf_counter()
         ids = [f"sc-{self._uid}-{self._calls}-{i}" for i in range(len(prompts))]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .. import versions
+from ..engine.core import TokenIdError
 from .dataset import DatasetError, Sample, open_dataset
 from .shards import ShardWriter, check_shard_size
 from .writer import BackgroundWriter, OutputDir, ProcessWriter, check_checksum
@@ -239,7 +240,10 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                     bar.update(len(batch))
                     continue
                 t_gen = time.perf_counter()
-                results = generator.generate(ids)
+                try:
+                    results = generator.generate(ids)
+                except TokenIdError as e:  # name the sample, not its place in the batch
+                    raise DatasetError(str(e).replace(f"sequence {e.seq} ", f"sample {keep[e.seq].index} ", 1)) from e
                 generate_s += time.perf_counter() - t_gen
                 items = []
                 for s, r, m in zip(keep, results, masks):

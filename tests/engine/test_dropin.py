@@ -163,6 +163,15 @@ def test_bad_inputs_leave_the_engine_usable(gen, llama_path, hf_ref):
         gen.on_overlength = strict
     with pytest.raises(ValueError, match="at most max_model_len - 1"):
         gen.engine.run(models.random_prompts([2048], seed=1))  # the engine's own guard
+    # ids the embedding table lacks (a batch tokenized for another model): named, never sent
+    assert gen.engine.vocab_size == models.VOCAB
+    with pytest.raises(ValueError, match=f"sequence 2 holds token id {models.VOCAB}, outside the model's "
+                                         f"vocabulary of {models.VOCAB} ids \\[0, {models.VOCAB - 1}\\]"):
+        gen.generate([[5, 6], [models.VOCAB - 1], [7, models.VOCAB, 8]])
+    with pytest.raises(ValueError, match="sequence 0 holds token id 50000"):
+        gen.engine.run([[5, 50000]])  # the engine's own guard (the patched upstream class's path)
+    with pytest.raises(ValueError, match="sequence 0 holds a negative token id -2"):
+        gen.engine.run([[5, -2]])
     check(gen, llama_path, models.random_prompts([33], seed=2), hf_ref)
 
 

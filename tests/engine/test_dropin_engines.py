@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.version import Version
 
 from speculators_compat import VllmHiddenStatesGenerator
@@ -231,6 +232,18 @@ def test_tensor_parallel_2(llama_path, hf_ref, monkeypatch):
                                    tensor_parallel_size=2, max_num_batched_tokens=256) as g:
         check(g, llama_path, models.random_prompts([5, 400, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3], seed=41),
               hf_ref, layers=[1, 3, 5])
+        # Token ids the embedding table lacks. Unchecked (ids_checked=True skips our check), each TP
+        # rank masks the ids outside its shard, so an id outside every shard embeds as zeros: two
+        # different such ids give the same rows, and no error (measured on 0.32). Checked, refused.
+        good = models.random_prompts([10], seed=42)[0]
+        try:
+            a, b = (g.engine.run([good[:5] + [bad] + good[5:]], ids_checked=True)[0][0]
+                    for bad in (models.VOCAB, models.VOCAB + 100))
+            assert torch.equal(a, b), "two out-of-vocabulary ids gave different rows"
+        except RuntimeError:
+            pass  # a vLLM that raises for them is not silent either
+        with pytest.raises(ValueError, match=f"sequence 1 holds token id {models.VOCAB}, outside"):
+            g.generate([good, good[:5] + [models.VOCAB] + good[5:]])
 
 
 @pytest.mark.slow

@@ -213,6 +213,15 @@ def test_bad_pipeline_inputs(gen, llama_path, tmp_path):
     s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "o3"), generator=gen, progress=False,
                     on_overlength="skip")
     assert s["skipped_overlength"] == 1 and not (tmp_path / "o3" / "data_12.pt").exists()
+    # a token id outside the vocabulary: the sample (not its place in the batch) is named, and the
+    # batches written before it are kept
+    rows = [{"input_ids": [1, 2, 3]}] * 5 + [{"input_ids": [4, models.VOCAB + 9]}]
+    (tmp_path / "vocab.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DatasetError, match=f"sample 5 holds token id {models.VOCAB + 9}, outside the "
+                                           f"model's vocabulary of {models.VOCAB} ids"):
+        run_extract(llama_path, str(tmp_path / "vocab.jsonl"), str(tmp_path / "o4"), generator=gen,
+                    progress=False, batch_size=4)
+    assert sorted(p.name for p in (tmp_path / "o4").glob("data_*.pt")) == [f"data_{i}.pt" for i in range(4)]
 
 
 def test_a_run_bound_by_its_disk_says_so(gen, llama_path, tmp_path, monkeypatch, caplog):

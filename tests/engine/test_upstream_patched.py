@@ -75,6 +75,20 @@ def test_overlong_sequence_is_truncated_like_upstream(upstream_gen, hf_ref):
     assert not bad, bad
 
 
+def test_token_ids_outside_the_vocabulary_are_refused(upstream_gen, hf_ref):
+    """Upstream handed token ids to vLLM unchecked (past the input processor that checks them for
+    LLM.generate). An id the embedding table lacks is refused before it reaches a worker, with the
+    sequence named, and the generator keeps working."""
+    path, gen = upstream_gen
+    good = models.random_prompts([20, 30], seed=21)
+    with pytest.raises(ValueError, match=f"sequence 1 holds token id {models.VOCAB + 3}, outside the "
+                                         f"model's vocabulary of {models.VOCAB} ids"):
+        gen.generate([good[0], good[1] + [models.VOCAB + 3]])
+    with pytest.raises(ValueError, match="sequence 0 holds a negative token id -1"):
+        gen.generate([[5, -1]])
+    _check(gen, path, good, hf_ref)
+
+
 def test_upstream_offline_script_steps(upstream_gen, hf_ref, tmp_path):
     """What speculators 0.3.0's scripts/data_generation_offline.py does with the generator: a batch
     from a torch-formatted datasets column (a list of 1-D tensors), results that the script pairs
