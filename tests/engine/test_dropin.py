@@ -42,6 +42,16 @@ def test_chunked_and_reordered(gen, llama_path, hf_ref, n):
     check(gen, llama_path, models.random_prompts(lengths, seed=100 + n), hf_ref)
 
 
+def test_one_token_prompts_and_one_token_chunks(gen, llama_path, hf_ref):
+    """A step that schedules one token of a request looks like a decode to the runner, which moves
+    such requests to the front of its batch (split of decodes and prefills): 1-token prompts, and
+    prompts whose last chunk is 1 token (129 = 128 + 1 and 257 = 2 x 128 + 1 with this engine's
+    128-token steps), mixed with long ones, in a batch spanning many steps."""
+    lengths = [1, 300, 1, 2, 129, 1, 257, 3, 1, 50, 1, 128, 1, 129]
+    check(gen, llama_path, models.random_prompts(lengths, seed=77), hf_ref)
+    check(gen, llama_path, models.random_prompts([1], seed=78), hf_ref)  # a batch of one token
+
+
 def test_repeat_call_same_results(gen, llama_path, hf_ref):
     prompts = models.random_prompts([300, 12, 129], seed=9)
     a = check(gen, llama_path, prompts, hf_ref)

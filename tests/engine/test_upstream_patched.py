@@ -44,6 +44,14 @@ def test_batches_of_mixed_lengths(upstream_gen, hf_ref, n):
     _check(gen, path, models.random_prompts(lengths, seed=n), hf_ref)
 
 
+def test_one_token_prompts(upstream_gen, hf_ref):
+    """1-token prompts (a step that schedules one token of a request looks like a decode to the
+    runner) among longer ones, over upstream's 8,192-token steps: the 190-token prompt gets 189
+    tokens in the first step and its last one in the second, beside the last 1-token prompt."""
+    path, gen = upstream_gen
+    _check(gen, path, models.random_prompts([1, 2000, 1, 2000, 1, 2000, 2000, 190, 1], seed=31), hf_ref)
+
+
 def test_repeated_calls_and_repeated_prompts(upstream_gen, hf_ref):
     path, gen = upstream_gen
     prompts = models.random_prompts([64, 300, 64], seed=7)
