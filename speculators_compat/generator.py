@@ -108,8 +108,10 @@ def _array_to_lists(arr: Any, what: str) -> list:
     """A torch tensor or numpy array of integers as nested lists, its rank checked (``None`` if
     ``arr`` is neither)."""
     if hasattr(arr, "dim") and hasattr(arr, "is_floating_point"):  # torch.Tensor
-        ndim, integral = arr.dim(), not (arr.is_floating_point() or arr.is_complex())
-        integral = integral and str(arr.dtype) != "torch.bool"
+        import torch
+
+        ndim = arr.dim()
+        integral = not (arr.is_floating_point() or arr.is_complex() or arr.dtype == torch.bool)
     elif hasattr(arr, "ndim") and hasattr(getattr(arr, "dtype", None), "kind"):  # numpy.ndarray
         ndim, integral = arr.ndim, arr.dtype.kind in "iu"
     else:
@@ -151,7 +153,7 @@ def to_token_lists(token_ids: Any, vocab_size: int | None = None) -> list[list[i
             if isinstance(t, bool) or not isinstance(t, Integral):
                 raise TypeError(f"sequence {i} holds a non-integer token {t!r} ({type(t).__name__})")
             if t < 0:
-                raise ValueError(f"sequence {i} holds a negative token id {t}")
+                raise TokenIdError(i, int(t), vocab_size)
         hi = max(seq)
         if vocab_size is not None and hi >= vocab_size:
             raise TokenIdError(i, int(hi), vocab_size)

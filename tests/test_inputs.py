@@ -19,6 +19,27 @@ def test_bad_batches(batch, exc, text):
         to_token_lists(batch)
 
 
+def test_token_ids_checked_against_the_vocabulary():
+    from speculators_compat.engine.core import TokenIdError, check_token_ids
+
+    assert to_token_lists([[0, 1023], [5]], vocab_size=1024) == [[0, 1023], [5]]
+    with pytest.raises(TokenIdError, match=r"sequence 1 holds token id 1024, outside the model's "
+                                           r"vocabulary of 1024 ids \[0, 1023\]") as e:
+        to_token_lists([[0, 1023], [5, 1024, 2]], vocab_size=1024)
+    assert (e.value.seq, e.value.token, e.value.vocab) == (1, 1024, 1024)
+    assert e.value.message("sample 17").startswith("sample 17 holds token id 1024")
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(TokenIdError, match="sequence 0 holds a negative token id -1"):
+        to_token_lists([[3, -1]], vocab_size=1024)
+    # the engine's own check (the patched upstream class's path): first bad sequence, either side
+    check_token_ids([[0, 1023]], 1024)
+    with pytest.raises(TokenIdError, match="sequence 2 holds token id 5000"):
+        check_token_ids([[1], [2], [3, 5000]], 1024)
+    with pytest.raises(TokenIdError, match="sequence 0 holds a negative token id -4"):
+        check_token_ids([[-4, 5000]], 1024)
+    check_token_ids([[1, 10 ** 9]], None)  # vocabulary unknown: sign only
+
+
 def test_tensor_batches():
     torch = pytest.importorskip("torch")
     assert to_token_lists(torch.tensor([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]

@@ -382,12 +382,14 @@ class TokenIdError(ValueError):
 
     def __init__(self, seq: int, token: int, vocab: int | None):
         self.seq, self.token, self.vocab = seq, token, vocab
-        if vocab is None:
-            msg = f"sequence {seq} holds a negative token id {token}"
-        else:
-            msg = (f"sequence {seq} holds token id {token}, outside the model's vocabulary of {vocab} ids "
-                   f"[0, {vocab - 1}] (tokenized for another model?)")
-        super().__init__(msg)
+        super().__init__(self.message(f"sequence {seq}"))
+
+    def message(self, where: str) -> str:
+        """The error, with ``where`` naming the sequence (the pipeline names its sample)."""
+        if self.token < 0:
+            return f"{where} holds a negative token id {self.token}"
+        return (f"{where} holds token id {self.token}, outside the model's vocabulary of {self.vocab} ids "
+                f"[0, {self.vocab - 1}] (tokenized for another model?)")
 
 
 def model_vocab_size(vllm_config) -> int | None:

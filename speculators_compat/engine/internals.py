@@ -26,6 +26,12 @@ INTERNALS = [
      "medium: relies on later calls draining earlier replies in order; `wait` restores the plain call"),
     ("vllm.v1.request.Request(...)", "one max_tokens=1 request per prompt (signature-aware builder)",
      "0.11-0.32 (eos_token_id gone in 0.17)", "medium: see patch vllm_request"),
+    ("ModelConfig.get_vocab_size()",
+     "the bound token ids are checked against before they reach a worker (TokenIdError): the loop hands vLLM "
+     "token ids past the input processor that checks them for LLM.generate",
+     "0.11-0.33 (source of 0.11, 0.12, 0.16, 0.17, 0.32, 0.33 read; engine-tested on the CI matrix)",
+     "low: vLLM's own accessor (the text config's vocab_size); if it is missing, ids are checked for sign only, "
+     "with a warning"),
     ("ParallelConfig.worker_extension_cls", "mix our CaptureExtension into every worker", "0.11-0.32", "low"),
     ("model_runner.model -> decoder stack with .layers (model.model, get_language_model(), language_model)",
      "find the decoder layers to hook (Llama, Qwen2, DeepSeek-V3/Kimi-K2, Kimi-K2.5 0.15 and 0.16+ layouts)",

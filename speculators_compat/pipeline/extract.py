@@ -243,7 +243,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 try:
                     results = generator.generate(ids)
                 except TokenIdError as e:  # name the sample, not its place in the batch
-                    raise DatasetError(str(e).replace(f"sequence {e.seq} ", f"sample {keep[e.seq].index} ", 1)) from e
+                    raise DatasetError(e.message(f"sample {keep[e.seq].index}")) from e
                 generate_s += time.perf_counter() - t_gen
                 items = []
                 for s, r, m in zip(keep, results, masks):
