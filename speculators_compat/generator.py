@@ -104,9 +104,9 @@ def token_tensor(ids: list[int]):
     return torch.frombuffer(array.array("q", ids), dtype=torch.long) if ids else torch.zeros(0, dtype=torch.long)
 
 
-def _array_to_lists(arr: Any, what: str) -> list:
-    """A torch tensor or numpy array of integers as nested lists, its rank checked (``None`` if
-    ``arr`` is neither)."""
+def _array_to_lists(arr: Any, what: str, rank: int) -> list | None:
+    """A torch tensor or numpy array of integers as nested lists, checked to have ``rank``
+    dimensions (``None`` if ``arr`` is neither); ``what`` names it in errors."""
     if hasattr(arr, "dim") and hasattr(arr, "is_floating_point"):  # torch.Tensor
         import torch
 
@@ -116,10 +116,10 @@ def _array_to_lists(arr: Any, what: str) -> list:
         ndim, integral = arr.ndim, arr.dtype.kind in "iu"
     else:
         return None
-    if what == "token_ids" and ndim != 2:
-        raise ValueError(f"token_ids {type(arr).__name__} must be 2-D [batch, seq], got shape {tuple(arr.shape)}")
-    if what != "token_ids" and ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got a {type(arr).__name__} of shape {tuple(arr.shape)}")
+    if ndim != rank:
+        if rank == 2:  # the batch
+            raise ValueError(f"{what} {type(arr).__name__} must be 2-D [batch, seq], got shape {tuple(arr.shape)}")
+        raise ValueError(f"{what} must be {rank}-D, got a {type(arr).__name__} of shape {tuple(arr.shape)}")
     if not integral:
         raise TypeError(f"{what} {type(arr).__name__} must hold integers, not {arr.dtype}")
     return arr.tolist()
@@ -129,7 +129,7 @@ def to_token_lists(token_ids: Any, vocab_size: int | None = None) -> list[list[i
     """Validate a batch: a list of token-id sequences (lists, tuples, 1-D integer tensors or numpy
     arrays; numpy / torch integer scalars are accepted), or a 2-D integer tensor / numpy array.
     With ``vocab_size``, an id at or above it raises TokenIdError (a ValueError naming the sequence)."""
-    as_lists = _array_to_lists(token_ids, "token_ids")
+    as_lists = _array_to_lists(token_ids, "token_ids", 2)
     if as_lists is not None:
         token_ids = as_lists
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
@@ -138,7 +138,7 @@ def to_token_lists(token_ids: Any, vocab_size: int | None = None) -> list[list[i
         raise ValueError("token_ids cannot be empty")
     out = []
     for i, seq in enumerate(token_ids):
-        as_list = _array_to_lists(seq, f"sequence {i}")
+        as_list = _array_to_lists(seq, f"sequence {i}", 1)
         if as_list is not None:
             seq = as_list
         if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
