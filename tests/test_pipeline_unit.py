@@ -58,6 +58,79 @@ def test_arrow_dataset_dir(tmp_path):
     assert got == [([5, 6, 7], [0, 1, 1]), ([8], [1])]
 
 
+def _saved_derived_dataset(tmp_path):
+    """A dataset as users make one: loaded from JSON (so its info records 50 examples), shuffled,
+    cut to 10 by ``select``, mapped, and saved in two shards by ``datasets`` itself."""
+    datasets = pytest.importorskip("datasets")
+    raw = write_jsonl(tmp_path / "raw.jsonl", [{"input_ids": [1, 2, i], "loss_mask": [0, 1, i % 2]}
+                                               for i in range(50)])
+    d = datasets.load_dataset("json", data_files=str(raw), split="train", cache_dir=str(tmp_path / "cache"))
+    d = d.shuffle(seed=0).select(range(10)).map(lambda e: {"input_ids": e["input_ids"] + [7],
+                                                           "loss_mask": e["loss_mask"] + [1]})
+    d.save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    return datasets, tmp_path / "saved"
+
+
+def test_dataset_saved_by_datasets_reads_as_datasets_does(tmp_path):
+    datasets, saved = _saved_derived_dataset(tmp_path)
+    want = [(r["input_ids"], r["loss_mask"]) for r in datasets.load_from_disk(str(saved))]
+    got = [(s.index, s.input_ids, s.loss_mask) for s in open_dataset(saved)]
+    assert got == [(i, ids, mask) for i, (ids, mask) in enumerate(want)]
+    assert len(want) == 10 and all(ids[-1] == 7 for ids, _ in want)
+
+
+def test_saved_dataset_is_counted_from_its_rows_not_its_info(tmp_path):
+    # dataset_info.json still says 50 (the JSON file's split): the progress bar's total and the
+    # short-last-shard decision on resume were taken from it
+    from speculators_compat.pipeline.extract import count_samples
+
+    _, saved = _saved_derived_dataset(tmp_path)
+    assert json.loads((saved / "dataset_info.json").read_text())["splits"]["train"]["num_examples"] == 50
+    assert count_samples(saved) == 10
+
+
+def test_saved_dataset_with_torch_format_int32_ids_and_bool_mask(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    d = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4]], "loss_mask": [[True, False, True], [False]]})
+    d = d.cast_column("input_ids", datasets.Sequence(datasets.Value("int32")))
+    d.set_format("torch")  # (what speculators' preprocessing leaves set)
+    d.save_to_disk(str(tmp_path / "t"))
+    got = [(s.input_ids, s.loss_mask) for s in open_dataset(tmp_path / "t")]
+    assert got == [([1, 2, 3], [1, 0, 1]), ([4], [0])]
+    assert all(type(t) is int for s in open_dataset(tmp_path / "t") for t in s.input_ids + s.loss_mask)
+
+
+def test_saved_dataset_dict_names_its_splits(tmp_path):
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(DatasetError, match=r"saved DatasetDict \(splits: train, test\).*dd/train"):
+        open_dataset(tmp_path / "dd")
+
+
+@pytest.mark.parametrize("state,text", [
+    ("{not json", "not a saved dataset's state file"),
+    ('{"_data_files": [{"name": "x"}]}', "not a saved dataset's state file"),
+    ('{"_data_files": []}', "lists no data files"),
+    ('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}', "not there: data-00000-of-00001.arrow"),
+])
+def test_broken_saved_dataset_is_refused_before_any_sample(tmp_path, state, text):
+    (tmp_path / "state.json").write_text(state)
+    with pytest.raises(DatasetError, match=text):
+        open_dataset(tmp_path)  # (raised by the call itself: before a pipeline starts its engine)
+
+
+def test_damaged_arrow_file_is_named(tmp_path):
+    pytest.importorskip("pyarrow")
+    from speculators_compat.pipeline.extract import count_samples
+
+    (tmp_path / "data-00000-of-00001.arrow").write_bytes(b"\xff\xff\xff\xff not arrow at all" * 4)
+    (tmp_path / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    with pytest.raises(DatasetError, match="data-00000-of-00001.arrow: not a readable Arrow stream"):
+        list(open_dataset(tmp_path))
+    with pytest.raises(DatasetError, match="not a readable Arrow stream"):
+        count_samples(tmp_path)
+
+
 def test_output_dir_refuses_another_run(tmp_path):
     out = OutputDir(tmp_path / "o")
     assert out.prepare({"model": "a", "layer_ids": [1, 2]}) == set()

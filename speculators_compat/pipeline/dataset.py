@@ -71,29 +71,62 @@ def iter_jsonl(path: Path) -> Iterator[Sample]:
             index += 1
 
 
-def iter_arrow_dir(path: Path) -> Iterator[Sample]:
-    state = json.loads((path / "state.json").read_text())
-    files = [path / f["filename"] for f in state.get("_data_files", [])]
+def arrow_files(path: Path) -> list[Path]:
+    """The Arrow files of a ``Dataset.save_to_disk`` directory, in order, checked to be there."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+        files = [path / f["filename"] for f in state.get("_data_files", [])]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise DatasetError(f"{path / 'state.json'}: not a saved dataset's state file "
+                           f"({type(e).__name__}: {e})") from None
     if not files:
         raise DatasetError(f"{path}: state.json lists no data files")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise DatasetError(f"{path}: state.json lists data files that are not there: {', '.join(missing)}")
+    return files
+
+
+def _pyarrow(path: Path):
     try:
         import pyarrow as pa
     except ImportError as e:
         raise DatasetError(f"{path}: reading a saved dataset needs pyarrow ({e})") from e
+    return pa
+
+
+def _record_batches(pa, f: Path):
+    """A memory-mapped Arrow stream file's record batches (zero-copy); a damaged file is a DatasetError."""
+    try:
+        with pa.memory_map(str(f)) as src:
+            yield from pa.ipc.open_stream(src)
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{f}: not a readable Arrow stream ({type(e).__name__}: {e})") from None
+
+
+def count_arrow_rows(path: Path) -> int:
+    """Rows in a saved dataset, counted from its Arrow files' record batches (not from
+    ``dataset_info.json``, whose split sizes are those of the dataset it was derived from, before any
+    ``select`` / ``filter``)."""
+    pa = _pyarrow(path)
+    return sum(b.num_rows for f in arrow_files(path) for b in _record_batches(pa, f))
+
+
+def iter_arrow_dir(path: Path, files: list[Path] | None = None) -> Iterator[Sample]:
+    files = arrow_files(path) if files is None else files
+    pa = _pyarrow(path)
     index = 0
     for f in files:
-        with pa.memory_map(str(f)) as src:
-            reader = pa.ipc.open_stream(src)
-            for batch in reader:
-                cols = batch.schema.names
-                if "input_ids" not in cols:
-                    raise DatasetError(f"{f}: no input_ids column (columns: {cols})")
-                ids_col = batch.column("input_ids").to_pylist()
-                mask_col = batch.column("loss_mask").to_pylist() if "loss_mask" in cols else [None] * len(ids_col)
-                for ids, mask in zip(ids_col, mask_col):
-                    ids, mask = _validate(f"{f} row {index}", {"input_ids": ids, "loss_mask": mask})
-                    yield Sample(index, ids, mask)
-                    index += 1
+        for batch in _record_batches(pa, f):
+            cols = batch.schema.names
+            if "input_ids" not in cols:
+                raise DatasetError(f"{f}: no input_ids column (columns: {cols})")
+            ids_col = batch.column("input_ids").to_pylist()
+            mask_col = batch.column("loss_mask").to_pylist() if "loss_mask" in cols else [None] * len(ids_col)
+            for ids, mask in zip(ids_col, mask_col):
+                ids, mask = _validate(f"{f} row {index}", {"input_ids": ids, "loss_mask": mask})
+                yield Sample(index, ids, mask)
+                index += 1
 
 
 def open_dataset(path: str | Path) -> Iterator[Sample]:
@@ -101,7 +134,17 @@ def open_dataset(path: str | Path) -> Iterator[Sample]:
     if not p.exists():
         raise FileNotFoundError(f"input {str(p)!r} does not exist")
     if p.is_dir():
-        if (p / "state.json").exists():
-            return iter_arrow_dir(p)
+        if (p / "state.json").exists():  # (its files are checked now, before an engine starts)
+            files = arrow_files(p)
+            _pyarrow(p)
+            return iter_arrow_dir(p, files)
+        if (p / "dataset_dict.json").exists():  # DatasetDict.save_to_disk: one sub-directory a split
+            try:
+                splits = json.loads((p / "dataset_dict.json").read_text()).get("splits") or []
+            except (ValueError, AttributeError):
+                splits = []
+            hint = f"; pass one split's directory, e.g. {str(p / splits[0])!r}" if splits else ""
+            raise DatasetError(f"{p}: a saved DatasetDict (splits: {', '.join(map(str, splits)) or 'none listed'}), "
+                               f"not one dataset{hint}")
         raise DatasetError(f"{p}: a directory input must be a saved dataset (state.json + .arrow files)")
     return iter_jsonl(p)

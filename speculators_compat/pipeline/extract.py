@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator
 
 from .. import versions
 from ..engine.core import TokenIdError
-from .dataset import DatasetError, Sample, open_dataset
+from .dataset import DatasetError, Sample, count_arrow_rows, open_dataset
 from .shards import ShardWriter, check_shard_size
 from .writer import BackgroundWriter, OutputDir, ProcessWriter, check_checksum
 
@@ -126,11 +126,8 @@ def count_samples(path: str | Path) -> int | None:
     if p.is_file():
         with open(p, "rb") as f:
             return sum(1 for line in f if line.strip())
-    info = p / "dataset_info.json"
-    if info.exists():
-        splits = json.loads(info.read_text()).get("splits") or {}
-        n = sum(s.get("num_examples", 0) for s in splits.values())
-        return n or None
+    if (p / "state.json").exists():
+        return count_arrow_rows(p)
     return None
 
 
