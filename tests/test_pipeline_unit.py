@@ -21,6 +21,16 @@ def test_jsonl_ok(tmp_path):
     assert [(s.index, s.input_ids, s.loss_mask) for s in got] == [(0, [1, 2, 3], [0, 1, 1]), (1, [4], None)]
 
 
+def test_jsonl_with_a_byte_order_mark_and_crlf(tmp_path):
+    # (a file saved by Windows tools: before, line 1 was "malformed JSON (Unexpected UTF-8 BOM)")
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"input_ids": [1, 2]}\r\n{"input_ids": [3], "loss_mask": [1]}\r\n')
+    assert [(s.input_ids, s.loss_mask) for s in open_dataset(f)] == [([1, 2], None), ([3], [1])]
+    f.write_bytes(b'{"input_ids": [1]}\n\xef\xbb\xbf{"input_ids": [3]}\n')  # one mid-file is still an error
+    with pytest.raises(DatasetError, match="bom.jsonl:2: malformed JSON"):
+        list(open_dataset(f))
+
+
 @pytest.mark.parametrize("line,text", [
     ('{"input_ids": [1, 2', "d.jsonl:2: malformed JSON"),
     ('{"ids": [1]}', "d.jsonl:2: input_ids must be a non-empty list"),

@@ -56,7 +56,7 @@ def iter_jsonl(path: Path) -> Iterator[Sample]:
         index = 0
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a BOM that starts the file is dropped)
             except UnicodeDecodeError as e:
                 raise DatasetError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at column {e.start + 1}): "
                                    "the input must be UTF-8 JSON lines") from None
