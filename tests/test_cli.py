@@ -80,5 +80,13 @@ def test_bad_cli_arguments():
     assert r.returncode != 0 and "--shard-size: expected an integer >= 1, not '0'" in r.stderr
     r = cli("extract", "--model", "x", "--input", "y", "--output", "z", "--shard-size", "4")  # default: pt
     assert r.returncode == 2 and "--shard-size 4 needs --format safetensors" in r.stderr
+    for flag, value, least in [("--max-model-len", "1", 2), ("--tensor-parallel-size", "0", 1),
+                               ("--max-num-seqs", "0", 1), ("--max-num-batched-tokens", "-5", 1),
+                               ("--batch-size", "0", 1), ("--queue-size", "0", 1), ("--max-samples", "-1", 0)]:
+        r = cli("extract", "--model", "x", "--input", "y", "--output", "z", flag, value)
+        assert r.returncode == 2 and f"{flag}: expected an integer >= {least}, not '{value}'" in r.stderr, r.stderr
+    for value in ("0", "1.5", "x"):
+        r = cli("extract", "--model", "x", "--input", "y", "--output", "z", "--gpu-memory-utilization", value)
+        assert r.returncode == 2 and f"expected a fraction in (0, 1], not '{value}'" in r.stderr
     r = cli("plan", "--model", "/nonexistent/model")
     assert r.returncode != 0 and "config.json not found" in r.stderr

@@ -445,6 +445,24 @@ class EngineOptions:
     engine_kwargs: dict = field(default_factory=dict)  # passed through to EngineArgs
 
 
+def check_sizes(opts: EngineOptions) -> None:
+    """Refuse sizes vLLM would take silently or only fail on later: ``max_num_seqs=0`` and
+    ``max_num_batched_tokens=0`` ran as if unset (vLLM 0.32), and ``max_model_len=1`` started the
+    engine only for every prompt to be cut to nothing (one position is kept back, as upstream does)."""
+    def bad(v, least: int) -> bool:
+        return isinstance(v, bool) or not isinstance(v, int) or v < least
+
+    if bad(opts.tensor_parallel_size, 1):
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, not {opts.tensor_parallel_size!r}")
+    if opts.max_model_len is not None and bad(opts.max_model_len, 2):
+        raise ValueError(f"max_model_len must be an integer >= 2 (prompts keep at most max_model_len - 1 "
+                         f"tokens) or None for the model's own, not {opts.max_model_len!r}")
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        v = getattr(opts, name)
+        if v is not None and bad(v, 1):
+            raise ValueError(f"{name} must be an integer >= 1 or None for vLLM's default, not {v!r}")
+
+
 def build_vllm_config(opts: EngineOptions):
     """A VllmConfig for extraction, from vLLM's own EngineArgs (stable in every version)."""
     _pin_v1_runner()
@@ -452,8 +470,7 @@ def build_vllm_config(opts: EngineOptions):
 
     from . import facts as facts_mod
 
-    if opts.tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, not {opts.tensor_parallel_size}")
+    check_sizes(opts)
     strategy = resolve_async(opts.async_scheduling)
     kw: dict[str, Any] = dict(
         model=opts.model,

@@ -139,6 +139,9 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
     model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
+    if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
+                                    or max_samples < 0):
+        raise ValueError(f"--max-samples must be an integer >= 0, not {max_samples!r}")
     if writer not in WRITER_MODES:
         raise ValueError(f"writer must be one of {WRITER_MODES}, not {writer!r}")
     if on_overlength not in ("truncate", "error", "skip"):

@@ -13,13 +13,29 @@ def _layer_ids(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--layer-ids must be comma-separated integers, not {s!r}") from e
 
 
-def _positive_int(s: str) -> int:
+def _int_at_least(least: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = least - 1
+        if v < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, not {s!r}")
+        return v
+    parse.__name__ = f"integer >= {least}"  # (argparse names the type in some messages)
+    return parse
+
+
+_positive_int = _int_at_least(1)
+
+
+def _fraction(s: str) -> float:
     try:
-        v = int(s)
+        v = float(s)
     except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, not {s!r}")
+        v = -1.0
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], not {s!r}")
     return v
 
 
@@ -28,15 +44,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-ids", type=_layer_ids, default=None,
                    help="comma-separated decoder layer ids (default: upstream's [2, n//2, n-3, n-1])")
     p.add_argument("--layer-id-convention", choices=("upstream", "eagle3"), default="upstream")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    p.add_argument("--max-model-len", type=_int_at_least(2), default=2048)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None)
     p.add_argument("--trust-remote-code", action="store_true",
                    help="needed for Kimi-K2.5 (its config/tokenizer classes ship inside the checkpoint)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.8)
     p.add_argument("--enable-expert-parallel", action="store_true")
 
 
@@ -45,8 +61,8 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, help="JSONL ({'input_ids': [...], 'loss_mask': [...]}) or a "
                    "speculators-preprocessed dataset directory")
     p.add_argument("--output", required=True, help="output directory (data_{i}.pt + manifest.json)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--batch-size", type=_positive_int, default=8)
+    p.add_argument("--max-samples", type=_int_at_least(0), default=None)
     p.add_argument("--format", choices=("pt", "safetensors"), default="pt",
                    help="pt: speculators' data_{i}.pt, one file a sample (its trainer reads these); "
                         "safetensors: data_{i}.safetensors, or shards with --shard-size")
@@ -57,7 +73,7 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
                         "on an H200 host, against ~4 GB/s for data_{i}.pt): for small states only")
     p.add_argument("--async-scheduling", choices=("disable", "keep"), default=None)
     p.add_argument("--on-overlength", choices=("truncate", "error", "skip"), default="truncate")
-    p.add_argument("--queue-size", type=int, default=2, help="batches waiting to be written (bounds memory)")
+    p.add_argument("--queue-size", type=_positive_int, default=2, help="batches waiting to be written (bounds memory)")
     p.add_argument("--writer", choices=("auto", "thread", "process"), default="auto",
                    help="write files on threads or in processes (auto: processes on a GPU host)")
     p.add_argument("--writer-threads", type=_positive_int, default=None,
@@ -74,10 +90,10 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--input", default=None, help="dataset, to size the output (optional)")
-    p.add_argument("--num-samples", type=int, default=None)
+    p.add_argument("--num-samples", type=_positive_int, default=None)
     p.add_argument("--avg-tokens", type=float, default=None)
-    p.add_argument("--batch-size", type=int, default=8, help="as for extract: sizes the host hand-off arena")
-    p.add_argument("--queue-size", type=int, default=2, help="as for extract: sizes the host hand-off arena")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="as for extract: sizes the host hand-off arena")
+    p.add_argument("--queue-size", type=_positive_int, default=2, help="as for extract: sizes the host hand-off arena")
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory (default: detect, "
                    "else 141 GiB H200)")
     p.add_argument("--json", action="store_true")

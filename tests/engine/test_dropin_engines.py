@@ -125,6 +125,15 @@ def test_bad_constructor_arguments(llama_path, tmp_path):
         VllmHiddenStatesGenerator(str(tmp_path / "missing"))
     with pytest.raises(TypeError, match="model_path must be a path"):
         VllmHiddenStatesGenerator(None)
+    # sizes vLLM took silently (0: as if unset, on 0.32) or failed on only at generate() ("prompt 0 is
+    # empty" after the engine had started): refused before the engine starts
+    for kw, text in [(dict(max_model_len=1), "max_model_len must be an integer >= 2"),
+                     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+                     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1"),
+                     (dict(max_num_seqs=2.5), "max_num_seqs must be an integer"),
+                     (dict(tensor_parallel_size=True), "tensor_parallel_size must be a positive integer")]:
+        with pytest.raises(ValueError, match=text):
+            VllmHiddenStatesGenerator(llama_path, **kw)
     with pytest.raises(ValueError, match="tensor_parallel_size=64"):
         VllmHiddenStatesGenerator(llama_path, tensor_parallel_size=64)
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "llama"}')

@@ -123,3 +123,14 @@ def test_upstream_offline_script_steps(upstream_gen, hf_ref, tmp_path):
     assert d["model"]["gpu_memory_utilization"] == 0.8  # upstream's default, kept
     assert d["model"]["hidden_size"] == 128
     assert d["hidden_states"]["layer_ids"] == LAYERS
+
+
+def test_sizes_vllm_would_take_silently_are_refused():
+    """``max_model_len=1`` started the engine only for every prompt to be cut to nothing (measured
+    on 0.32: the first ``generate`` failed with "prompt 0 is empty"); now it is refused before the
+    engine starts."""
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
+    path = str(models.build("llama"))
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 2"):
+        VllmHiddenStatesGenerator(path, layer_ids=LAYERS, max_model_len=1)
