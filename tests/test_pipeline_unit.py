@@ -40,6 +40,8 @@ def test_jsonl_with_a_byte_order_mark_and_crlf(tmp_path):
     ('{"input_ids": [1, 2], "loss_mask": [1]}', "as long as input_ids"),
     ('{"input_ids": [1, 2], "loss_mask": [1, 7]}', "0/1"),
     ('[1, 2, 3]', "expected an object"),
+    ('{"conversations": [{"from": "human", "value": "hi"}]}', "this sample has conversations: the input must "
+                                                              "be tokenized already"),
 ])
 def test_jsonl_errors_name_the_line(tmp_path, line, text):
     f = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1]}, line])

@@ -24,6 +24,7 @@ class Sample:
 
 _INT = {int}
 _BITS = {0, 1}  # (True == 1 and False == 0 in a set too)
+_TEXT_KEYS = {"text", "prompt", "messages", "conversations", "conversation", "content"}
 
 
 def _validate(where: str, obj) -> tuple[list[int], list[int] | None]:
@@ -31,7 +32,10 @@ def _validate(where: str, obj) -> tuple[list[int], list[int] | None]:
         raise DatasetError(f"{where}: expected an object with input_ids, got {type(obj).__name__}")
     ids = obj.get("input_ids")
     if not isinstance(ids, list) or not ids:
-        raise DatasetError(f"{where}: input_ids must be a non-empty list of token ids")
+        text = sorted(set(obj) & _TEXT_KEYS) if "input_ids" not in obj else []
+        hint = (f" (this sample has {', '.join(text)}: the input must be tokenized already, e.g. by "
+                "speculators' preprocessing, which writes input_ids and loss_mask)") if text else ""
+        raise DatasetError(f"{where}: input_ids must be a non-empty list of token ids{hint}")
     for t in ([] if set(map(type, ids)) == _INT and min(ids) >= 0 else ids):  # (fast path: all good)
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise DatasetError(f"{where}: input_ids holds {t!r}, not a non-negative integer")
