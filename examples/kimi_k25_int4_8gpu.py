@@ -28,8 +28,9 @@ What each setting is for:
     queue_size + 2 batches of them, each slab with 25% headroom. At --batch-size 32 and prompts of
     up to 8,191 tokens that is at most 70.0 GiB; `plan --input train.jsonl --batch-size 32
     --max-model-len 8192` sizes it from the dataset's largest batch.
-Resumable: rerun the same command after any interruption. The samples already written are kept;
-the ones recomputed can differ slightly from an uninterrupted run's, because vLLM's INT4 MoE kernel
+Resumable: rerun the same command after any interruption. SIGTERM (what a scheduler preempting the
+job sends) and SIGHUP shut the engine down like Ctrl-C and exit with 128 + the signal's number. The
+samples already written are kept; the ones recomputed can differ slightly from an uninterrupted run's, because vLLM's INT4 MoE kernel
 is not bit-for-bit reproducible run to run (measured on vLLM 0.20, section 19; both match HF).
 
 It needs the GPUs; everything around it runs on the built-in tiny models on CPU:
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 
 def main() -> int:
@@ -61,13 +63,20 @@ def main() -> int:
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1200")
     import speculators_compat  # noqa: F401
     from speculators_compat.pipeline.extract import run_extract
+    from speculators_compat.signals import handle_termination, interrupted
 
-    summary = run_extract(
-        a.model, a.input, a.output, layer_ids=[int(x) for x in a.layer_ids.split(",")],
-        batch_size=a.batch_size, max_samples=a.max_samples, max_model_len=a.max_model_len,
-        tensor_parallel_size=a.tensor_parallel_size, trust_remote_code=True, dtype="auto",
-        max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
-        enable_expert_parallel=a.ep, async_scheduling="keep")
+    handle_termination()  # a preempted job's SIGTERM shuts the 8 workers down like Ctrl-C
+    try:
+        summary = run_extract(
+            a.model, a.input, a.output, layer_ids=[int(x) for x in a.layer_ids.split(",")],
+            batch_size=a.batch_size, max_samples=a.max_samples, max_model_len=a.max_model_len,
+            tensor_parallel_size=a.tensor_parallel_size, trust_remote_code=True, dtype="auto",
+            max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
+            enable_expert_parallel=a.ep, async_scheduling="keep")
+    except KeyboardInterrupt as e:
+        msg, code = interrupted(e, a.output)
+        print(msg, file=sys.stderr)
+        return code
     print(json.dumps(summary, indent=2))
     return 0
 

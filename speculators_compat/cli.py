@@ -86,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .signals import handle_termination, interrupted
+
     args = build_parser().parse_args(argv)
+    handle_termination()  # SIGTERM / SIGHUP shut the engine down like Ctrl-C (signals.py)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -101,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"speculators-compat: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP: the engine is shut down by now
+        msg, code = interrupted(e, getattr(args, "output", None) if args.fn is _extract else None)
+        print(f"speculators-compat: {msg}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":
