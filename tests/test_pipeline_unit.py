@@ -150,6 +150,20 @@ def test_output_dir_refuses_another_run(tmp_path):
         out.prepare({"model": "a", "layer_ids": [1, 3]})
 
 
+def test_output_dir_resumes_with_another_batch_size(tmp_path, caplog):
+    # (a lower --batch-size is how a user gets past a memory error: refusing it lost the run's files)
+    info = {"model": "a", "layer_ids": [1, 2], "batch_size": 32}
+    out = OutputDir(tmp_path / "o")
+    out.prepare(info)
+    (tmp_path / "o" / "data_0.pt").write_bytes(b"x")
+    with caplog.at_level("WARNING", logger="speculators_compat"):
+        assert OutputDir(tmp_path / "o").prepare(dict(info, batch_size=8)) == {0}
+    assert "with batch_size 8 (the run that made it used 32)" in caplog.text
+    assert json.loads((tmp_path / "o" / "run.json").read_text())["batch_size"] == 32
+    with pytest.raises(OutputError, match=r"holds a different run \(layer_ids: \[1, 2\] -> \[1, 3\]\)"):
+        OutputDir(tmp_path / "o").prepare(dict(info, batch_size=8, layer_ids=[1, 3]))  # only what matters is named
+
+
 def test_output_dir_uncreatable(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="cannot create output directory"):

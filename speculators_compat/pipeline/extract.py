@@ -290,7 +290,8 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                    "engine_start_s": round(t_compute - t0, 2),
                    "tokens_per_s": round(stats["tokens"] / max(time.time() - t_compute, 1e-9), 1),
                    "truncated": len(stats["truncated"]), "skipped_overlength": len(stats["skipped_overlength"]),
-                   "writer": writer_mode, **({"shard_size": shard_size} if shard_size > 1 else {}),
+                   "writer": writer_mode, "batch_size": batch_size,
+                   **({"shard_size": shard_size} if shard_size > 1 else {}),
                    # where the time went (s): engine calls, reading input, handing batches to the
                    # writer, waiting for it while batches were in flight, and for the last writes
                    "generate_s": round(generate_s, 3), "read_s": round(read_s, 3),

@@ -278,6 +278,12 @@ class OutputDir:
         self.checksum = check_checksum(checksum)
         self.shard_size = shard_size
 
+    #: run settings a resume may change (run.json keeps the first run's), and what changing them means
+    RESUMABLE_CHANGES = {
+        "batch_size": "the samples computed now share steps with other neighbours, so their states may "
+                      "differ in the last bits from an uninterrupted run's (vLLM is not batch-invariant); "
+                      "they are as right (a lower --batch-size is the way out of a memory error)"}
+
     def prepare(self, run_info: dict, total: int | None = None) -> set[int]:
         """Create/validate the directory; drop partial files; return indices already complete
         (``total``: the samples this run reads, if known; it decides whether a short last shard is done)."""
@@ -291,6 +297,10 @@ class OutputDir:
         if run_file.exists():
             old = json.loads(run_file.read_text())
             diff = {k: (old.get(k), v) for k, v in run_info.items() if old.get(k) != v}
+            for k in [k for k in diff if k in self.RESUMABLE_CHANGES]:
+                a, b = diff.pop(k)
+                logger.warning("resuming %s with %s %r (the run that made it used %r): %s", self.root, k, b, a,
+                               self.RESUMABLE_CHANGES[k])
             if diff:
                 detail = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
                 raise OutputError(f"{self.root} holds a different run ({detail}); use a new --output")

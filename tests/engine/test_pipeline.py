@@ -89,6 +89,28 @@ def test_resume_is_byte_identical(gen, llama_path, tmp_path, monkeypatch):
     assert read_dir(part) == read_dir(full)
 
 
+def test_resume_with_a_lower_batch_size_completes_the_run(gen, llama_path, hf_ref, tmp_path):
+    """A run stopped by a memory error is resumed with a lower --batch-size: the resume is taken
+    (before, "holds a different run (batch_size: 8 -> 2)" and the files written were no use), it
+    computes only what is missing, and every sample matches HF."""
+    import torch
+
+    rows = make_jsonl(tmp_path / "in.jsonl", seed=5)
+    out = tmp_path / "out"
+    run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=8, generator=gen, progress=False,
+                max_samples=8)
+    s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=2, generator=gen, progress=False)
+    assert s["already_done"] == 8 and s["new_files"] == len(rows) - 8 and s["batch_size"] == 2
+    ref = hf_ref(llama_path, LAYERS)
+    for i, row in enumerate(rows):
+        d = torch.load(out / f"data_{i}.pt", weights_only=True)
+        ids = row["input_ids"][:2047]
+        assert d["input_ids"].tolist() == ids
+        worst, bad = reference.compare([d["hidden_states"]], [ids], ref, reference.TOLERANCE["float32"])
+        assert not bad, (i, worst)
+    assert json.loads((out / "manifest.json").read_text())["num_files"] == len(rows)
+
+
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
 def test_process_writer_gives_the_same_dataset(gen, llama_path, tmp_path, fmt):
     """--writer process (the default on GPU hosts): lent rows travel to writer processes as
