@@ -73,6 +73,7 @@ def main() -> int:
         return 1
     children = psutil.Process(p.pid).children(recursive=True)
     ours_running = set(glob.glob("/dev/shm/speculators-compat-*")) - ours_before
+    rec["shm_bytes_during_run"] = sum(os.path.getsize(f) for f in ours_running if os.path.exists(f))
     sig = getattr(signal, f"SIG{a.signal}")
     rec["files_at_signal"] = len(list(out.glob("data_*")))
     t = time.time()
@@ -91,7 +92,9 @@ def main() -> int:
     rec["children_alive_after_10s"] = [c.pid for c in children
                                        if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     rec["shm_files_during_run"] = len(ours_running)
-    rec["shm_files_left"] = sorted(os.path.basename(f) for f in ours_running & set(glob.glob("/dev/shm/*")))
+    left = ours_running & set(glob.glob("/dev/shm/*"))
+    rec["shm_files_left"] = sorted(os.path.basename(f) for f in left)
+    rec["shm_bytes_left"] = sum(os.path.getsize(f) for f in left)
     rec["partial_files_left"] = sorted(f.name for f in out.glob(".*partial"))
     rec["files_after_exit"] = len(list(out.glob("data_*")))
     rec["message"] = next((ln for ln in log.splitlines() if "interrupted by" in ln), log.strip().splitlines()[-1:])
