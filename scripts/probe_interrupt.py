@@ -1,6 +1,6 @@
 """Interrupt ``speculators-compat extract`` mid-run with a signal, and record what is left behind.
 
-    python scripts/probe_interrupt.py OUTDIR [--signal TERM|INT|HUP] [--group] [--after N]
+    python scripts/probe_interrupt.py OUTDIR [--signal TERM|INT|HUP|KILL] [--group] [--after N]
                                      [--samples N] [--tokens N] [-- EXTRA EXTRACT ARGS]
 
 On the built-in tiny Llama: one uninterrupted run (the reference), then a run that gets the
@@ -40,7 +40,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("outdir")
-    ap.add_argument("--signal", default="TERM", choices=("TERM", "INT", "HUP"))
+    ap.add_argument("--signal", default="TERM", choices=("TERM", "INT", "HUP", "KILL"))
     ap.add_argument("--group", action="store_true", help="signal the whole process group")
     ap.add_argument("--after", type=int, default=4, help="files written before the signal")
     ap.add_argument("--samples", type=int, default=90)
