@@ -188,7 +188,8 @@ class VllmHiddenStatesGenerator:
             raise TypeError(f"model_path must be a path (str or os.PathLike), not {type(model_path).__name__}")
         if on_overlength not in ("truncate", "error"):
             raise ValueError(f"on_overlength must be 'truncate' or 'error', not {on_overlength!r}")
-        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        if (isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int)
+                or tensor_parallel_size < 1):
             raise ValueError(f"tensor_parallel_size must be a positive integer, not {tensor_parallel_size!r}")
         _check_devices(tensor_parallel_size)
         self.model_path = model_path

@@ -698,6 +698,8 @@ class ExtractionEngine:
             if self._worker_failed:
                 self._closed = True
                 self._cleanup_handoff()
+                if isinstance(e, KeyboardInterrupt):
+                    raise  # Ctrl-C / SIGTERM sent to the whole process group took the workers down too
                 raise WorkerDiedError(
                     "a vLLM worker process died during extraction; this engine is unusable. Outputs "
                     "already written are complete; rerun to resume.") from e

@@ -51,9 +51,9 @@ def uninterrupted(llama_path, tmp_path_factory):
     return args, d / "ref"
 
 
-def _start_and_wait_for_files(args, out, n=4):
+def _start_and_wait_for_files(args, out, n=4, new_session=False):
     p = subprocess.Popen(args + ["--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env=ENV)
+                         text=True, env=ENV, start_new_session=new_session)
     deadline = time.time() + 300
     while time.time() < deadline and len(list(out.glob("data_*.pt"))) < n and p.poll() is None:
         time.sleep(0.2)
@@ -95,22 +95,27 @@ def test_killed_worker_errors_fast_and_resume_is_identical(uninterrupted, tmp_pa
     _files_intact_and_resume_identical(args, out, ref)
 
 
-def test_sigterm_shuts_down_cleanly_and_resume_is_identical(uninterrupted, tmp_path):
-    """SIGTERM (what a batch scheduler sends a job it preempts, and ``kill``'s default) to the
-    driver mid-run. Python's default ended the driver on the spot (measured on 0.32: exit -15,
-    and its arena files stayed in /dev/shm until the next engine started on that host). Now it is
-    handled like Ctrl-C: the workers are shut down, the arena is removed, the exit code is 143 and
-    the message says how to resume; the rerun completes the byte-identical dataset."""
+@pytest.mark.parametrize("to", ["driver", pytest.param("group", marks=pytest.mark.slow)])
+def test_sigterm_shuts_down_cleanly_and_resume_is_identical(uninterrupted, tmp_path, to):
+    """SIGTERM (what a batch scheduler sends a job it preempts, and ``kill``'s default) mid-run, to
+    the driver or to its whole process group (as scancel does: the workers get it too). Python's
+    default ended the driver on the spot (measured on 0.32: exit -15, and its arena files stayed
+    in /dev/shm until the next engine started on that host). Now it is handled like Ctrl-C: the
+    workers are shut down, the arena is removed, the exit code is 143 and the message says how to
+    resume (not that a worker died); the rerun completes the byte-identical dataset."""
     import glob
 
     psutil = pytest.importorskip("psutil")
     args, ref = uninterrupted
     out = tmp_path / "run"
-    p = _start_and_wait_for_files(args, out)
+    p = _start_and_wait_for_files(args, out, new_session=to == "group")
     arenas = set(glob.glob("/dev/shm/speculators-compat-*"))
     children = psutil.Process(p.pid).children(recursive=True)
     assert _worker_pids(p.pid)
-    p.send_signal(signal.SIGTERM)
+    if to == "group":
+        os.killpg(p.pid, signal.SIGTERM)
+    else:
+        p.send_signal(signal.SIGTERM)
     t = time.time()
     try:
         log, _ = p.communicate(timeout=120)
