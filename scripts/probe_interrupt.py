@@ -97,7 +97,8 @@ def main() -> int:
     rec["shm_bytes_left"] = sum(os.path.getsize(f) for f in left)
     rec["partial_files_left"] = sorted(f.name for f in out.glob(".*partial"))
     rec["files_after_exit"] = len(list(out.glob("data_*")))
-    rec["message"] = next((ln for ln in log.splitlines() if "interrupted by" in ln), log.strip().splitlines()[-1:])
+    rec["message"] = next((ln for ln in log.splitlines() if "interrupted by" in ln),
+                          (log.strip().splitlines() or [""])[-1]).replace(str(out), "OUTPUT")
     t = time.time()
     again = subprocess.run(cli + ["--output", str(out)], capture_output=True, text=True, env=env)
     rec["resume_rc"], rec["resume_s"] = again.returncode, round(time.time() - t, 1)

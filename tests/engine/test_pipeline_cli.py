@@ -61,6 +61,19 @@ def _start_and_wait_for_files(args, out, n=4, new_session=False):
     return p
 
 
+def _wait_for_exit(p, after: str):
+    """(output, seconds) of the pipeline's exit, timed from now; a failure if it takes 120 s."""
+    t = time.time()
+    try:
+        log, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail(f"pipeline did not stop within 120 s after {after}")
+    took = time.time() - t
+    print(f"pipeline stopped {took:.1f}s after {after} (rc {p.returncode})")
+    return log, took
+
+
 def _files_intact_and_resume_identical(args, out, ref):
     import torch
 
@@ -81,14 +94,7 @@ def test_killed_worker_errors_fast_and_resume_is_identical(uninterrupted, tmp_pa
     victims = _worker_pids(p.pid)
     assert victims, "no vLLM worker process found among the pipeline's children"
     os.kill(victims[-1], signal.SIGKILL)
-    t_kill = time.time()
-    try:
-        log, _ = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        pytest.fail("pipeline did not stop within 120 s of a worker dying")
-    took = time.time() - t_kill
-    print(f"pipeline stopped {took:.1f}s after the worker was killed (rc {p.returncode})")
+    log, took = _wait_for_exit(p, "the worker was killed")
     assert p.returncode != 0
     assert "worker process died" in log, log[-3000:]
     assert took < 60, f"took {took:.1f}s to notice the dead worker"
@@ -116,14 +122,7 @@ def test_sigterm_shuts_down_cleanly_and_resume_is_identical(uninterrupted, tmp_p
         os.killpg(p.pid, signal.SIGTERM)
     else:
         p.send_signal(signal.SIGTERM)
-    t = time.time()
-    try:
-        log, _ = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        pytest.fail("pipeline did not stop within 120 s of SIGTERM")
-    took = time.time() - t
-    print(f"pipeline stopped {took:.1f}s after SIGTERM (rc {p.returncode})")
+    log, took = _wait_for_exit(p, "SIGTERM")
     assert p.returncode == 128 + signal.SIGTERM, log[-3000:]
     assert "interrupted by SIGTERM" in log and "run the same command again to resume" in log, log[-3000:]
     assert took < 60
