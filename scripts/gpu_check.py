@@ -89,6 +89,8 @@ def main() -> int:
                 "async_scheduling": eng.vllm_config.scheduler_config.async_scheduling,
                 "batch_queue": eng.core.batch_queue is not None,
                 "worker_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
+                "runner": eng.model_info.get("runner"), "runner_kind": eng.model_info.get("runner_kind"),
+                "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
                 "startup_s": round(eng.startup_seconds, 1), "cases": {}}
         for cname, prompts in list(cases.items()) + [("repeat_mixed13", cases["mixed13"])]:
             prompts = [[t % vocab for t in p] for p in prompts]

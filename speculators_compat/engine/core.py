@@ -513,12 +513,24 @@ def build_vllm_config(opts: EngineOptions):
 
 
 def _pin_v1_runner() -> None:
-    # Capture attributes rows through the V1 runner's input_batch. Model Runner V2 (default for
-    # some models from 0.24, for all from 0.32 on GPU) has none; pin V1 before any config exists.
+    """Run the V1 model runner where vLLM still has it (0.11-0.33): the runner every release of the
+    matrix is tested with. Model Runner V2 (opt-in there, default for some models from 0.24 on GPU)
+    is what 0.34+ has only; capture reads its per-step input batch instead (worker.runner_kind).
+    A user who sets VLLM_USE_V2_MODEL_RUNNER=1 on a release that has both gets V2, said in the log."""
+    from . import facts as facts_mod
+
+    facts = facts_mod.probe()
     v = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if not facts.has_v1_runner:
+        if v is not None and v.strip().lower() in ("0", "false"):
+            raise RuntimeError(
+                f"VLLM_USE_V2_MODEL_RUNNER={v} asks for the V1 model runner, which vLLM {facts.version} "
+                "no longer has (removed in 0.34). Unset it: capture works with Model Runner V2.")
+        return
     if v not in (None, "", "0", "false", "False"):
-        raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER is set to %r; hidden-state capture needs the V1 "
-                           "model runner. Unset it (speculators_compat pins 0)." % v)
+        logger.info("speculators_compat: VLLM_USE_V2_MODEL_RUNNER=%s: capturing with Model Runner V2 "
+                    "(the tests run vLLM 0.11-0.33 with the V1 runner, which is pinned when it is unset)", v)
+        return
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 

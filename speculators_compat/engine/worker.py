@@ -7,9 +7,11 @@ with the calls (layer ids, expected prompt lengths).
 
 How rows are attributed (the part upstream got wrong):
   * the engine tells the worker which request ids to expect and each one's prompt length;
-  * every forward, the model runner's ``input_batch.req_ids`` gives the order of requests in the
-    flattened token batch and the step's ``SchedulerOutput.num_scheduled_tokens`` how many tokens
-    each contributes; the ``positions`` input gives each segment's token positions;
+  * every forward, the model runner gives the order of requests in the flattened token batch (the
+    V1 runner: its persistent ``input_batch.req_ids``; Model Runner V2, the only one from vLLM 0.34:
+    the ``InputBatch`` its ``prepare_inputs`` builds for the step, requests sorted by token count)
+    and the step's ``SchedulerOutput.num_scheduled_tokens`` how many tokens each contributes; the
+    ``positions`` input gives each segment's token positions;
   * each segment is stored under (request id, start position); rows at positions >= the prompt
     length (a decode step) are dropped; nothing is ever attributed by offset across requests.
 ``take`` orders a request's segments by position and checks that every position 0..len-1 was
@@ -331,11 +333,16 @@ class _CaptureState:
     layer_ids: list[int]
     handles: list = field(default_factory=list)
     expected: dict = field(default_factory=dict)  # req_id -> prompt length
+    order: dict = field(default_factory=dict)  # req_id -> announcement serial (the arena's order)
+    serial: int = 0
     segments: dict = field(default_factory=dict)  # req_id -> list[_Segment]
     scheduler_output: Any = None
+    runner_kind: str = "v1"  # "v1": runner.input_batch; "v2": the step's batch from prepare_inputs
+    step_batch: Any = None  # Model Runner V2: the InputBatch prepare_inputs built for this step
     layout: Any = None  # (req_ids, counts, starts) of the current forward (positions checked)
     plan: Any = None  # this forward's kept rows: (source rows: slice | index tensor, [(rid, start, n, row)])
     rows: dict = field(default_factory=dict)  # layer id -> (buffer, offset) or tensor (record_all)
+    record_order: Any = None  # record_all under V2: step rows -> scheduler order (index), None: as run
     copy_mode: str = "pinned"
     arena: Any = None
     hidden: int = 0
@@ -381,16 +388,14 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, copy
     local = _moe_local_experts(model)
     if local is not None:  # on this rank: all experts under plain TP, a share under expert parallelism
         info["moe_local_experts"] = local
-    if not hasattr(runner, "input_batch"):
-        raise RuntimeError(
-            f"speculators_compat: the model runner {type(runner).__name__} has no `input_batch` "
-            "(vLLM Model Runner V2?). Capture needs the V1 runner: set VLLM_USE_V2_MODEL_RUNNER=0.")
+    kind = runner_kind(runner)
+    info["runner_kind"] = kind
     if not _is_capture_rank():
         return info
     mode = copy_mode or os.environ.get(COPY_MODE_ENV, "pinned")
     if mode not in ("pinned", "sync"):
         raise ValueError(f"{COPY_MODE_ENV} must be 'pinned' or 'sync', not {mode!r}")
-    st = _CaptureState(layer_ids=list(layer_ids), copy_mode=mode, record_all=record_all)
+    st = _CaptureState(layer_ids=list(layer_ids), copy_mode=mode, record_all=record_all, runner_kind=kind)
     mc = getattr(runner, "model_config", None)
     if mc is not None:
         st.hidden, st.dtype = int(mc.get_hidden_size()), mc.dtype
@@ -423,8 +428,23 @@ def _moe_local_experts(model) -> int | None:
     return None
 
 
+def runner_kind(runner) -> str:
+    """Where a runner keeps the order of requests in a step: ``"v1"`` (the V1 runner's persistent
+    ``input_batch``, vLLM 0.11-0.33) or ``"v2"`` (Model Runner V2, opt-in before 0.34 and the only
+    runner from 0.34: ``prepare_inputs`` builds a fresh ``InputBatch`` for each step)."""
+    if hasattr(runner, "input_batch"):
+        return "v1"
+    if callable(getattr(runner, "prepare_inputs", None)):
+        return "v2"
+    raise RuntimeError(
+        f"speculators_compat: the model runner {type(runner).__name__} has neither an `input_batch` "
+        "(vLLM's V1 runner) nor a `prepare_inputs` method (Model Runner V2): capture cannot tell which "
+        "rows of a step belong to which request. This vLLM is not supported.")
+
+
 def _wrap_runner(runner, st: _CaptureState) -> None:
     # Record the SchedulerOutput of each step: it tells how many tokens each request has in it.
+    # Model Runner V2 also: the step's InputBatch (the order of its requests).
     runner._compat_state = st
     if getattr(runner, "_compat_wrapped", False):
         return
@@ -432,15 +452,52 @@ def _wrap_runner(runner, st: _CaptureState) -> None:
 
     def execute_model(scheduler_output, *args, **kwargs):
         cur = runner._compat_state
-        cur.scheduler_output = scheduler_output
+        # a V2 dummy run (profiling, warm-up) takes a made-up SchedulerOutput: nothing to capture
+        cur.scheduler_output = None if kwargs.get("dummy_run") else scheduler_output
+        cur.step_batch = None
         try:
             return orig(scheduler_output, *args, **kwargs)
         finally:
             cur.scheduler_output = None
+            cur.step_batch = None
 
     execute_model.__wrapped__ = orig  # type: ignore[attr-defined]
     runner.execute_model = execute_model
+    if st.runner_kind == "v2":
+        orig_prepare = runner.prepare_inputs
+
+        def prepare_inputs(*args, **kwargs):
+            batch = orig_prepare(*args, **kwargs)
+            runner._compat_state.step_batch = batch
+            return batch
+
+        prepare_inputs.__wrapped__ = orig_prepare  # type: ignore[attr-defined]
+        runner.prepare_inputs = prepare_inputs
     runner._compat_wrapped = True
+
+
+def _step_requests(runner, st: _CaptureState, so) -> tuple[list, list, Any] | None:
+    """(request ids in the order of the step's flattened tokens, tokens each, a fallback for
+    their start positions) or None when the forward is not a scheduled step."""
+    if st.runner_kind == "v2":
+        b = st.step_batch
+        if b is None:
+            return None  # a forward outside prepare_inputs: dummy / profiling run
+        n = int(b.num_reqs)
+        req_ids = list(b.req_ids[:n])
+        counts = [int(so.num_scheduled_tokens.get(r, 0)) for r in req_ids]
+        own = [int(x) for x in b.num_scheduled_tokens[:n]]
+        if own != counts:
+            raise RuntimeError(
+                "speculators_compat: the step's input batch and the scheduler disagree on how many "
+                f"tokens each request has ({dict(zip(req_ids, own))} vs {dict(zip(req_ids, counts))}); "
+                "rows cannot be attributed safely")
+        computed = getattr(b, "num_computed_tokens_np", None)
+        return req_ids, counts, (lambda i: int(computed[i])) if computed is not None else None
+    ib = runner.input_batch
+    req_ids = list(ib.req_ids[: ib.num_reqs]) if hasattr(ib, "num_reqs") else list(ib.req_ids)
+    counts = [int(so.num_scheduled_tokens.get(r, 0)) for r in req_ids]
+    return req_ids, counts, lambda i: int(ib.num_computed_tokens_cpu[i])
 
 
 def _make_pre_forward(runner, st: _CaptureState):
@@ -451,9 +508,10 @@ def _make_pre_forward(runner, st: _CaptureState):
         so = st.scheduler_output
         if so is None or not (st.expected or st.record_all):
             return None  # warm-up / profiling / dummy run, or nothing to capture
-        ib = runner.input_batch
-        req_ids = list(ib.req_ids[: ib.num_reqs]) if hasattr(ib, "num_reqs") else list(ib.req_ids)
-        counts = [int(so.num_scheduled_tokens.get(r, 0)) for r in req_ids]
+        step = _step_requests(runner, st, so)
+        if step is None:
+            return None
+        req_ids, counts, computed = step
         positions = kwargs.get("positions")  # decoder layers: forward(positions, hidden_states, ...)
         if positions is None and args:
             positions = args[0]
@@ -473,34 +531,66 @@ def _make_pre_forward(runner, st: _CaptureState):
                     "contiguous (attribution would be wrong)")
             starts = starts_t.tolist()
         else:  # M-RoPE style positions: fall back to the runner's computed-token counts
-            starts = [int(ib.num_computed_tokens_cpu[i]) for i in range(len(req_ids))]
+            if computed is None:
+                raise RuntimeError("speculators_compat: the step has no 1-D positions and the runner's "
+                                   "input batch no computed-token counts: rows cannot be placed")
+            starts = [computed(i) for i in range(len(req_ids))]
         st.layout = (req_ids, counts, starts)
-        if not st.record_all:
-            st.plan = _plan_rows(st, req_ids, counts, starts,
-                                 positions.device if isinstance(positions, torch.Tensor) else None)
+        device = positions.device if isinstance(positions, torch.Tensor) else None
+        if st.record_all:
+            st.record_order = _scheduler_order(req_ids, counts, so, device) if st.runner_kind == "v2" else None
+        else:
+            st.plan = _plan_rows(st, req_ids, counts, starts, device)
         return None
 
     return pre_forward
 
 
-def _plan_rows(st: _CaptureState, req_ids, counts, starts, device):
+def _scheduler_order(req_ids, counts, so, device):
+    """Upstream's record-everything contract hands back a step's rows in the order its requests
+    were scheduled (the V1 runner runs them in that order; upstream's generator slices by it).
+    Model Runner V2 runs them sorted by token count: an index that puts the rows back in the
+    scheduler's order, or None when they already are."""
+    where, offset = {}, 0
+    for rid, n in zip(req_ids, counts):
+        where[rid] = (offset, n)
+        offset += n
+    wanted = [r for r in so.num_scheduled_tokens if r in where]
+    if wanted == list(req_ids):
+        return None
+    idx = torch.cat([torch.arange(where[r][0], where[r][0] + where[r][1]) for r in wanted])
+    return idx.to(device) if device is not None else idx
+
+
+def _plan_rows(st: _CaptureState, req_ids, counts, starts, device, arena_order: bool | None = None):
     """Which rows of this forward to keep: prompt rows of announced requests, nothing else.
 
     Returns (source, kept) where ``source`` selects the kept rows from the layer output (a slice
     when they are one contiguous run, else an index tensor) and ``kept`` lists (request, start
     position, rows, first row in the compacted block).
+
+    ``arena_order`` (default: on a GPU) takes the kept rows in announcement order, the order of
+    the requests' regions in the arena: Model Runner V2 orders a step's requests by token count,
+    and rows taken in step order would then need one device->host copy per request instead of one
+    per layer. (On a CPU the rows are added into the arena run by run, no gather first.)
     """
-    kept, ranges, offset, row = [], [], 0, 0
+    entries, offset = [], 0  # (request, start, rows, offset in the step)
     for rid, n, start in zip(req_ids, counts, starts):
         plen = st.expected.get(rid)
         if n and plen is not None and start < plen:
-            keep = min(n, plen - start)
-            kept.append((rid, start, keep, row))
-            ranges.append((offset, offset + keep))
-            row += keep
+            entries.append((rid, start, min(n, plen - start), offset))
         offset += n
-    if not kept:
+    if not entries:
         return None
+    if arena_order is None:
+        arena_order = device is not None and device.type == "cuda"
+    if arena_order:
+        entries.sort(key=lambda e: st.order.get(e[0], -1))  # stable: V1 steps keep their order
+    kept, ranges, row = [], [], 0
+    for rid, start, keep, off in entries:
+        kept.append((rid, start, keep, row))
+        ranges.append((off, off + keep))
+        row += keep
     if all(a == b for (_, a), (b, _) in zip(ranges, ranges[1:])):
         source = slice(ranges[0][0], ranges[-1][1])
     else:
@@ -553,6 +643,7 @@ def _take(st, req_ids, want_data):
     states, errors = {}, {}
     for rid in req_ids:
         plen = st.expected.pop(rid, None)
+        st.order.pop(rid, None)
         st.regions.pop(rid, None)
         segs = sorted(st.segments.pop(rid, []), key=lambda s: s.start)
         if not want_data:
@@ -662,6 +753,10 @@ class CaptureExtension:
                 for rid, plen in expected.items():
                     if rid not in st.expected and plen > 0:
                         st.regions.setdefault(rid, {})[lid] = st.arena.alloc(plen * row_bytes)
+        for rid in expected:
+            if rid not in st.order:
+                st.order[rid] = st.serial
+                st.serial += 1
         st.expected.update(expected)
         st.t_expect += time.perf_counter() - t0
 
@@ -672,6 +767,7 @@ class CaptureExtension:
         st = getattr(self, "_compat_capture", None)
         if st is not None:
             st.expected.clear()
+            st.order.clear()
             st.segments.clear()
             st.regions.clear()
             st.all_rows = []
@@ -798,6 +894,8 @@ def _record_rows(st: _CaptureState, output: Any) -> torch.Tensor:
     """All rows of this forward as a host tensor of its own (upstream's record-everything contract)."""
     total = sum(st.layout[1])
     out = _layer_output(output)[:total].detach()
+    if st.record_order is not None:
+        out = out.index_select(0, st.record_order)  # a new tensor, in the scheduler's order
     st.nonfinite.append(~torch.isfinite(out).all())
     if out.device.type == "cpu":
         # hidden + residual is a fresh tensor; a bare layer output may be updated in place later

@@ -6,7 +6,10 @@ first forward), it rejects DeepSeek-V3/Kimi before 0.18 (``supports_eagle3``) an
 Kimi-K2.5's decoder (``model.model``). This patch keeps the extension's RPC contract
 (``_setup_hidden_states_capture(layer_ids)``, ``_reset_capture()``, ``_get_captured_states()`` ->
 one tensor per captured layer, ascending, rows in execution order) but captures with forward hooks
-on the real decoder layers, leaving vLLM's own forward untouched.
+on the real decoder layers, leaving vLLM's own forward untouched. Under Model Runner V2 (the only
+runner from vLLM 0.34), which runs a step's requests sorted by token count, each step's rows are
+put back in the scheduler's order: the order the V1 runner runs a fresh batch in, and the one a
+caller slicing rows by its own request order relies on.
 
 This is a worker-side fix: it must be applied in each worker process, which the vLLM plugin entry
 point (``vllm.general_plugins``) does under both fork and spawn.
