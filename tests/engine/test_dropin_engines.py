@@ -19,6 +19,7 @@ from speculators_compat.testing import models, reference
 from tests.engine.test_dropin import LAYERS, TOL, check
 
 
+@pytest.mark.ends
 def test_lent_results_are_never_overwritten_and_memory_stays_flat(llama_path, hf_ref):
     """Zero-copy hand-off (the default): prompts prefilled in one step come back as tensors over
     the worker's /dev/shm arena slab. The worker must never write a later batch into a slab whose
@@ -100,6 +101,7 @@ def test_rpc_handoff_matches_hf(llama_path, hf_ref, monkeypatch):
         assert not glob.glob(f"/dev/shm/speculators-compat-{g.engine._uid}-*")
 
 
+@pytest.mark.ends
 def test_nan_hidden_states_are_caught(llama_path, tmp_path):
     """A checkpoint with one NaN weight in layer 3: the capture flags layers 3 and 5 by name."""
     import shutil

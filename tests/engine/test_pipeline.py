@@ -111,6 +111,7 @@ def test_resume_with_a_lower_batch_size_completes_the_run(gen, llama_path, hf_re
     assert json.loads((out / "manifest.json").read_text())["num_files"] == len(rows)
 
 
+@pytest.mark.ends
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
 def test_process_writer_gives_the_same_dataset(gen, llama_path, tmp_path, fmt):
     """--writer process (the default on GPU hosts): lent rows travel to writer processes as
@@ -183,6 +184,7 @@ def test_safetensors_output(gen, llama_path, tmp_path):
     assert [tuple(d[f"hidden_states_{j}"].shape) for j in range(3)] == [(40, 128)] * 3
 
 
+@pytest.mark.ends
 def test_sharded_safetensors_match_the_per_sample_files_and_resume(gen, llama_path, hf_ref, tmp_path):
     """--format safetensors --shard-size 4 with batches of 3 (shards and batches do not line up):
     each sample's tensors equal the data_{i}.pt of a per-sample run on the same engine, its states
@@ -246,6 +248,7 @@ def test_bad_pipeline_inputs(gen, llama_path, tmp_path):
     assert sorted(p.name for p in (tmp_path / "o4").glob("data_*.pt")) == [f"data_{i}.pt" for i in range(4)]
 
 
+@pytest.mark.ends
 def test_a_run_bound_by_its_disk_says_so(gen, llama_path, tmp_path, monkeypatch, caplog):
     """A disk slower than the engine is a seam no CPU test machine reaches on demand, so a sleep
     in front of each file's real write stands in for it (the engine, the files and the queue are

@@ -101,7 +101,8 @@ def test_killed_worker_errors_fast_and_resume_is_identical(uninterrupted, tmp_pa
     _files_intact_and_resume_identical(args, out, ref)
 
 
-@pytest.mark.parametrize("to", ["driver", pytest.param("group", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("to", [pytest.param("driver", marks=pytest.mark.ends),
+                                pytest.param("group", marks=pytest.mark.slow)])
 def test_sigterm_shuts_down_cleanly_and_resume_is_identical(uninterrupted, tmp_path, to):
     """SIGTERM (what a batch scheduler sends a job it preempts, and ``kill``'s default) mid-run, to
     the driver or to its whole process group (as scancel does: the workers get it too). Python's
@@ -136,6 +137,7 @@ def test_sigterm_shuts_down_cleanly_and_resume_is_identical(uninterrupted, tmp_p
     _files_intact_and_resume_identical(args, out, ref)
 
 
+@pytest.mark.ends
 def test_kimi_recipe_runs_on_the_tiny_model(llama_path, tmp_path):
     """examples/kimi_k25_int4_8gpu.py with the tiny model in place of Kimi (TP=1, CPU): every setting
     of the recipe except the model and the parallelism is the real one."""
