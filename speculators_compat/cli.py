@@ -1,4 +1,4 @@
-"""``speculators-compat``: doctor / demo / extract / plan / verify.
+"""``speculators-compat``: doctor / demo / extract / plan / verify / run.
 
 vLLM and torch are imported only by the sub-commands that need them, so ``--help`` and ``doctor``
 work anywhere.
@@ -54,6 +54,12 @@ def _verify(args) -> int:
     return main_verify(args)
 
 
+def _run(args) -> int:
+    from .launcher import main_run
+
+    return main_run(args.command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="speculators-compat", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -78,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_args(p)
     p.set_defaults(fn=_plan)
 
+    r = sub.add_parser("run", help="run a command with the patches in every Python process it starts "
+                       "(spawned vLLM workers included): speculators-compat run python SCRIPT ARGS...")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments")
+    r.set_defaults(fn=_run)
+
     v = sub.add_parser("verify", help="check an extract output's files against its manifest (sizes, checksums)")
     v.add_argument("output", help="the output directory of extract")
     v.add_argument("--json", action="store_true")
@@ -93,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.fn is _run:  # (the command's own output and exit status, untouched)
+        try:
+            return _run(args)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"speculators-compat: error: {e}", file=sys.stderr)
+            return 2
     from .engine.core import CaptureError, StallError, WorkerDiedError
     from .pipeline.writer import OutputError
 

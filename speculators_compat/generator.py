@@ -21,6 +21,7 @@ from pathlib import Path
 from numbers import Integral
 from typing import Any, Iterable, Sequence
 
+from .checkpoint import CheckpointError, check_checkpoint
 from .engine.core import CaptureError, EngineOptions, ExtractionEngine, TokenIdError
 
 logger = logging.getLogger("speculators_compat")
@@ -196,6 +197,7 @@ class VllmHiddenStatesGenerator:
         self.tensor_parallel_size = tensor_parallel_size
         self.on_overlength = on_overlength
         self._tokenizer = None
+        check_checkpoint(model_path)  # a damaged or missing file named now, not as a worker's start-up failure
         num_layers = read_num_layers(model_path, trust_remote_code)
         self.num_layers = num_layers
         self.layer_ids = normalize_layer_ids(layer_ids, num_layers, layer_id_convention)
@@ -305,4 +307,4 @@ def _check_devices(tp: int) -> None:
 
 
 __all__ = ["VllmHiddenStatesGenerator", "default_layer_ids", "normalize_layer_ids", "read_num_layers",
-           "to_token_lists", "CaptureError", "TokenIdError"]
+           "to_token_lists", "CaptureError", "CheckpointError", "TokenIdError"]

@@ -143,6 +143,18 @@ def test_damaged_arrow_file_is_named(tmp_path):
         count_samples(tmp_path)
 
 
+def finished_file(root, name: str, data: bytes, index: int | None = None) -> None:
+    """A data file as a writer leaves it: on disk, and recorded in checksums.jsonl (size, crc32, time)."""
+    import zlib
+
+    p = root / name
+    p.write_bytes(data)
+    rec = {"index": int(name.split("_")[1].split(".")[0]) if index is None else index, "file": name,
+           "bytes": len(data), "tokens": 1, "crc32": f"{zlib.crc32(data):08x}", "mtime_ns": p.stat().st_mtime_ns}
+    with open(root / "checksums.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
 def test_output_dir_refuses_another_run(tmp_path):
     out = OutputDir(tmp_path / "o")
     assert out.prepare({"model": "a", "layer_ids": [1, 2]}) == set()
@@ -155,7 +167,7 @@ def test_output_dir_resumes_with_another_batch_size(tmp_path, caplog):
     info = {"model": "a", "layer_ids": [1, 2], "batch_size": 32}
     out = OutputDir(tmp_path / "o")
     out.prepare(info)
-    (tmp_path / "o" / "data_0.pt").write_bytes(b"x")
+    finished_file(tmp_path / "o", "data_0.pt", b"x")
     with caplog.at_level("WARNING", logger="speculators_compat"):
         assert OutputDir(tmp_path / "o").prepare(dict(info, batch_size=8)) == {0}
     assert "with batch_size 8 (the run that made it used 32)" in caplog.text
@@ -173,7 +185,7 @@ def test_output_dir_uncreatable(tmp_path):
 def test_partial_files_dropped_and_done_detected(tmp_path):
     out = OutputDir(tmp_path)
     out.prepare({"m": 1})
-    (tmp_path / "data_0.pt").write_bytes(b"x")
+    finished_file(tmp_path, "data_0.pt", b"x")
     (tmp_path / ".data_1.pt.partial").write_bytes(b"half")
     (tmp_path / "data_2.safetensors").write_bytes(b"other format")
     assert out.prepare({"m": 1}) == {0}
@@ -695,7 +707,9 @@ def test_verify_finds_every_kind_of_damage(tmp_path, checksum, capsys):
     bw.put([(i, {"input_ids": torch.arange(6), "hidden_states": [torch.randn(6, 16)],
                  "loss_mask": torch.ones(6)}) for i in range(5)])
     bw.close()
-    assert main(["verify", str(tmp_path)]) == 0  # before the manifest: checksums.jsonl
+    # before the manifest (checksums.jsonl): intact, but the run has not finished
+    assert main(["verify", str(tmp_path)]) == 3
+    assert "INCOMPLETE" in capsys.readouterr().out
     out.finalize(5, {})
     assert main(["verify", str(tmp_path)]) == 0
     assert "OK: 5 files checked against manifest.json" in capsys.readouterr().out

@@ -6,6 +6,7 @@ Each sample: ``{"input_ids": [int, ...], "loss_mask": [0/1, ...]}`` (loss_mask o
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -55,24 +56,28 @@ def _validate(where: str, obj) -> tuple[list[int], list[int] | None]:
     return ids, mask
 
 
-def iter_jsonl(path: Path) -> Iterator[Sample]:
-    with open(path, "rb") as f:  # decoded line by line, so a bad byte is named by its line
-        index = 0
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a BOM that starts the file is dropped)
-            except UnicodeDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at column {e.start + 1}): "
-                                   "the input must be UTF-8 JSON lines") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
-            ids, mask = _validate(f"{path}:{lineno}", obj)
-            yield Sample(index, ids, mask)
-            index += 1
+def iter_jsonl(path: Path, lines=None) -> Iterator[Sample]:
+    """The samples of a JSONL file; ``lines``: its raw lines, if the caller reads them (scan_input)."""
+    if lines is None:
+        with open(path, "rb") as f:
+            yield from iter_jsonl(path, f)
+        return
+    index = 0  # decoded line by line, so a bad byte is named by its line
+    for lineno, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a BOM that starts the file is dropped)
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at column {e.start + 1}): "
+                               "the input must be UTF-8 JSON lines") from None
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
+        ids, mask = _validate(f"{path}:{lineno}", obj)
+        yield Sample(index, ids, mask)
+        index += 1
 
 
 def arrow_files(path: Path) -> list[Path]:
@@ -152,3 +157,136 @@ def open_dataset(path: str | Path) -> Iterator[Sample]:
                                f"not one dataset{hint}")
         raise DatasetError(f"{p}: a directory input must be a saved dataset (state.json + .arrow files)")
     return iter_jsonl(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole input, checked before an engine starts, and its fingerprint
+
+
+@dataclass
+class InputScan:
+    """What ``scan_input`` found: the samples a run reads, those longer than the model takes, and
+    the input's fingerprint (recorded in the output's run.json; a resume compares it)."""
+    samples: int
+    overlength: list[tuple[int, int]]  # (index, tokens) of samples over the length limit
+    fingerprint: dict
+    max_len: int | None = None
+    whole: bool = True  # every sample of the input was read (not stopped at max_samples)
+    recorded: bool = False  # taken from an earlier run's record of the same input (not parsed again)
+
+    def record(self) -> dict:
+        """What a later run over the same input (same fingerprint) can take instead of parsing it."""
+        return {"fingerprint": self.fingerprint, "samples": self.samples, "whole": self.whole,
+                "max_len": self.max_len, "overlength": [list(x) for x in self.overlength]}
+
+
+class _CrcLines:
+    """A binary file's lines, with a CRC-32 of every byte read through it (``rest()`` reads the
+    part after the last line asked for)."""
+
+    def __init__(self, f):
+        self.f, self.crc, self.bytes = f, 0, 0
+
+    def __iter__(self):
+        for line in self.f:
+            self.crc = zlib.crc32(line, self.crc)
+            self.bytes += len(line)
+            yield line
+
+    def rest(self) -> None:
+        while chunk := self.f.read(8 << 20):
+            self.crc = zlib.crc32(chunk, self.crc)
+            self.bytes += len(chunk)
+
+
+def file_crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def input_fingerprint(path: str | Path) -> dict:
+    """The fingerprint ``scan_input`` records, by hashing alone (no parsing: GB/s, not MB/s)."""
+    p = Path(path)
+    if p.is_dir():
+        return _dir_fingerprint(p)
+    crc, n = 0, 0
+    with open(p, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc, n = zlib.crc32(chunk, crc), n + len(chunk)
+    return {"kind": "jsonl", "bytes": n, "crc32": f"{crc:08x}"}
+
+
+def _dir_fingerprint(p: Path) -> dict:
+    state = json.loads((p / "state.json").read_text())
+    return {"kind": "saved dataset", "dataset_fingerprint": state.get("_fingerprint"),
+            "files": {f.name: {"bytes": f.stat().st_size, "crc32": file_crc32(f)} for f in arrow_files(p)}}
+
+
+def scan_input(path: str | Path, max_samples: int | None = None, max_len: int | None = None,
+               known: dict | None = None) -> InputScan:
+    """Read the whole input once: every sample a run will read is validated (the first bad one is a
+    DatasetError naming its line or row), counted and measured against ``max_len``; every byte of
+    the input is hashed (CRC-32, streamed), also past ``max_samples``, so that the fingerprint is
+    the file's whatever part of it a run reads. An input with no sample is a DatasetError.
+
+    ``known``: an earlier scan's ``record()``. If the input's fingerprint is still the recorded one
+    (hashed, not parsed) and that scan covered what this run reads, its findings are taken: a
+    resume of a large input pays the hash (GB/s), not the parse (tens of MB/s)."""
+    p = Path(path)
+    if known and (p.is_file() or (p / "state.json").is_file()) and known.get("max_len") == max_len and (
+            known.get("whole") or (max_samples is not None and max_samples <= known.get("samples", -1))):
+        fp = input_fingerprint(p)
+        if fp == known.get("fingerprint"):
+            n = known["samples"] if max_samples is None else min(known["samples"], max_samples)
+            over = [(int(i), int(k)) for i, k in known.get("overlength", []) if i < n]
+            return InputScan(n, over, fp, max_len, whole=bool(known.get("whole")) and n == known["samples"],
+                             recorded=True)
+    samples = open_dataset(p)  # (checks what open_dataset checks: existence, a saved dataset's files)
+    count, over = 0, []
+
+    def take(it: Iterator[Sample]) -> None:
+        nonlocal count
+        for s in it:
+            if max_samples is not None and count >= max_samples:
+                break
+            if max_len is not None and len(s.input_ids) > max_len:
+                over.append((s.index, len(s.input_ids)))
+            count += 1
+
+    if p.is_dir():
+        take(samples)
+        fp = _dir_fingerprint(p)
+    else:
+        with open(p, "rb") as f:
+            lines = _CrcLines(f)
+            take(iter_jsonl(p, lines))
+            lines.rest()
+        fp = {"kind": "jsonl", "bytes": lines.bytes, "crc32": f"{lines.crc:08x}"}
+    if count == 0 and max_samples != 0:
+        raise DatasetError(f"input {str(p)!r} holds no samples" + (" (only blank lines)" if p.is_file()
+                                                                    and p.stat().st_size else " (it is empty)"))
+    return InputScan(count, over, fp, max_len, whole=max_samples is None or count < max_samples)
+
+
+def describe_input_change(old: dict, new: dict) -> list[str]:
+    """What differs between two fingerprints of an input, one phrase each (empty: the same)."""
+    if old == new:
+        return []
+    if old.get("kind") != new.get("kind"):
+        return [f"the input was a {old.get('kind')} and is now a {new.get('kind')}"]
+    if new.get("kind") == "jsonl":
+        if old.get("bytes") != new.get("bytes"):
+            return [f"the input's size changed ({old.get('bytes'):,} -> {new.get('bytes'):,} bytes)"]
+        return [f"the input's contents changed (same size, CRC-32 {old.get('crc32')} -> {new.get('crc32')})"]
+    out = []
+    if old.get("dataset_fingerprint") != new.get("dataset_fingerprint"):
+        out.append(f"the saved dataset's fingerprint changed ({old.get('dataset_fingerprint')} -> "
+                   f"{new.get('dataset_fingerprint')})")
+    of, nf = old.get("files", {}), new.get("files", {})
+    for n in sorted(set(of) | set(nf)):
+        if of.get(n) != nf.get(n):
+            out.append(f"its file {n} {'was added' if n not in of else 'was removed' if n not in nf else 'changed'}")
+    return out

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator
 
 from .. import versions
 from ..engine.core import TokenIdError
-from .dataset import DatasetError, Sample, count_arrow_rows, open_dataset
+from .dataset import DatasetError, Sample, count_arrow_rows, open_dataset, scan_input
 from .shards import ShardWriter, check_shard_size
 from .writer import BackgroundWriter, OutputDir, ProcessWriter, check_checksum
 
@@ -135,7 +135,13 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
                 queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
                 layer_id_convention: str = "upstream", writer: str = "auto", read_ahead: bool = True,
-                checksum: str | None = None, shard_size: int = 1, **gen_kwargs) -> dict[str, Any]:
+                checksum: str | None = None, shard_size: int = 1, verify_existing: bool = False,
+                **gen_kwargs) -> dict[str, Any]:
+    """Extract ``input_path`` into ``output`` (module docstring). Everything that can be checked
+    without an engine is checked before one starts: the output directory (held with a lock; another
+    run's output refused), the model's files, and the whole input (every sample validated, the
+    over-long ones named). ``verify_existing``: checksum every file a resume keeps, not only the
+    ones the interrupted run wrote last."""
     model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
@@ -148,45 +154,89 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
         raise ValueError(f"on_overlength must be truncate, error or skip, not {on_overlength!r}")
     check_checksum(checksum)
     check_shard_size(shard_size, fmt, writer)
-    import torch
+    out = OutputDir(output, fmt, checksum, shard_size)
+    out.lock()  # (a second run into this output is refused here, naming the first)
+    try:
+        return _run_locked(out, model, input_path, layer_ids=layer_ids, batch_size=batch_size,
+                           max_samples=max_samples, fmt=fmt, on_overlength=on_overlength, queue_size=queue_size,
+                           progress=progress, generator=generator, writer_threads=writer_threads,
+                           layer_id_convention=layer_id_convention, writer=writer, read_ahead=read_ahead,
+                           shard_size=shard_size, verify_existing=verify_existing, gen_kwargs=gen_kwargs)
+    finally:
+        out.unlock()
+
+
+def _warn_overlength(over: list[tuple[int, int]], max_len: int, action: str) -> None:
+    shown = ", ".join(f"sample {i} ({n:,} tokens)" for i, n in over[:20])
+    logger.warning("%d sample(s) longer than max_model_len - 1 = %d tokens will be %s: %s%s", len(over), max_len,
+                   action, shown, " ..." if len(over) > 20 else "")
+
+
+def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch_size, max_samples, fmt,
+                on_overlength, queue_size, progress, generator, writer_threads, layer_id_convention, writer,
+                read_ahead, shard_size, verify_existing, gen_kwargs) -> dict[str, Any]:
+    from ..checkpoint import check_checkpoint, fingerprint_checkpoint
+    from ..generator import normalize_layer_ids, read_num_layers
+
+    t0 = time.time()
+    # -- before any engine: the model's files, the whole input, the output's record --------------
+    check_checkpoint(model)
+    if generator is None:
+        ids_ = normalize_layer_ids(layer_ids, read_num_layers(model, bool(gen_kwargs.get("trust_remote_code"))),
+                                   layer_id_convention)
+        max_len = int(gen_kwargs.get("max_model_len") or 2048) - 1
+    else:
+        ids_, max_len = list(generator.layer_ids), generator.engine.max_model_len - 1
+    scan = scan_input(input_path, max_samples, max_len, known=out.recorded().get("input_scan"))
+    if scan.overlength and on_overlength == "error":
+        i, n = scan.overlength[0]
+        raise DatasetError(f"sample {i} has {n} tokens; at most max_model_len - 1 = {max_len} fit (use "
+                           f"--on-overlength truncate|skip; {len(scan.overlength)} sample(s) are over)")
+    if scan.overlength:
+        _warn_overlength(scan.overlength, max_len, "truncated to that length" if on_overlength == "truncate"
+                         else "skipped (no file)")
+    skip = {i for i, _ in scan.overlength} if on_overlength == "skip" else set()
+    total = scan.samples
+    run_info = {"model": os.path.abspath(model) if os.path.exists(model) else model,
+                "input": os.path.abspath(input_path), "layer_ids": ids_,
+                "layer_id_convention": "upstream", "format": fmt, "batch_size": batch_size,
+                "max_model_len": max_len + 1, "on_overlength": on_overlength}
+    if shard_size > 1:  # (only then: an output written before shards existed still resumes)
+        run_info["shard_size"] = shard_size
+    fingerprints = {"model": fingerprint_checkpoint(model), "input": scan.fingerprint}
+    done = out.prepare(run_info, total, fingerprints, verify_existing=verify_existing,
+                       latest={"samples": total, "skipped_overlength": sorted(skip), "input_scan": scan.record()})
+    to_compute = sum(1 for i in range(total) if i not in done and i not in skip)
+    import torch  # (not before: the checks above need neither torch nor vLLM)
 
     from ..generator import token_tensor
 
-    t0 = time.time()
-    total = count_samples(input_path)
-    if max_samples is not None:
-        total = min(total, max_samples) if total is not None else max_samples
-    samples: Iterable[Sample] = open_dataset(input_path)
-    if max_samples is not None:
-        samples = islice(samples, max_samples)
-
+    # -- the engine (not started when nothing is left to compute) --------------------------------
     tp = gen_kwargs.get("tensor_parallel_size") or 1
     if generator is not None:
         tp = getattr(getattr(getattr(generator, "vllm_config", None), "parallel_config", None),
                      "tensor_parallel_size", None) or tp
-    if shard_size == 1 and (writer == "process" or (writer == "auto" and generator is None and _gpu_host())):
+    if to_compute and shard_size == 1 and (writer == "process" or (writer == "auto" and generator is None
+                                                                    and _gpu_host())):
         from .writer import writer_pool
 
         writer_pool(writer_threads, tp)  # start the writer processes now: they import torch meanwhile
-    own_generator = generator is None
-    if generator is None:
+    own_generator = generator is None and to_compute > 0
+    if own_generator:
         from ..generator import VllmHiddenStatesGenerator
 
-        generator = VllmHiddenStatesGenerator(model, layer_ids=layer_ids, layer_id_convention=layer_id_convention,
+        generator = VllmHiddenStatesGenerator(model, layer_ids=ids_, layer_id_convention="upstream",
                                               on_overlength="error", **gen_kwargs)
     try:
-        max_len = generator.engine.max_model_len - 1
+        if generator is not None:
+            out.confirm({"dtype": str(generator.vllm_config.model_config.dtype).replace("torch.", "")})
+            if generator.engine.max_model_len - 1 < max_len:  # (vLLM lowered it: the engine's limit applies)
+                max_len = generator.engine.max_model_len - 1
         t_compute = time.time()  # throughput counts from here: engine start-up is reported apart
-        run_info = {"model": os.path.abspath(model) if os.path.exists(model) else model,
-                    "input": os.path.abspath(input_path), "layer_ids": list(generator.layer_ids),
-                    "layer_id_convention": "upstream", "format": fmt, "batch_size": batch_size,
-                    "max_model_len": max_len + 1, "on_overlength": on_overlength,
-                    "dtype": str(generator.vllm_config.model_config.dtype).replace("torch.", "")}
-        if shard_size > 1:  # (only then: an output written before shards existed still resumes)
-            run_info["shard_size"] = shard_size
-        out = OutputDir(output, fmt, checksum, shard_size)
-        done = out.prepare(run_info, total)
-        writer_mode = "thread" if shard_size > 1 else choose_writer(writer, generator)
+        samples: Iterable[Sample] = open_dataset(input_path)
+        if max_samples is not None:
+            samples = islice(samples, max_samples)
+        writer_mode = "thread" if shard_size > 1 or generator is None else choose_writer(writer, generator)
         if shard_size > 1:
             writer = ShardWriter(out, queue_size, writer_threads)
         elif writer_mode == "process":
@@ -216,7 +266,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
                 if batch is None:
                     break
                 n_seen += len(batch)
-                todo = [s for s in batch if s.index not in done]
+                todo = [s for s in batch if s.index not in done and s.index not in skip]
                 if not todo:
                     stats["skipped_done"] += len(batch)
                     bar.update(len(batch))
@@ -280,7 +330,8 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
         write_bound = _warn_if_write_bound(writer.wait_s, write_s, write_mib_s, out.root)
         manifest = out.finalize(n_seen, extra={
             "model": run_info["model"], "layer_ids": run_info["layer_ids"], "num_samples": n_seen,
-            "truncated": stats["truncated"], "skipped_overlength": stats["skipped_overlength"],
+            "truncated": [i for i, _ in scan.overlength] if on_overlength == "truncate" else [],
+            "skipped_overlength": sorted(skip),
             "versions": versions.report(), "hidden_size": stats.get("hidden_size")})
         took = time.time() - t0
         summary = {"output": str(out.root), "samples": n_seen, "files": manifest["num_files"],
@@ -309,7 +360,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
             f.write(json.dumps(summary) + "\n")
         return summary
     finally:
-        if own_generator:  # ours to close: its engine's workers and /dev/shm arena go with it
+        if own_generator and generator is not None:  # ours to close: its workers and /dev/shm arena go with it
             generator.close()
 
 
@@ -354,7 +405,7 @@ def main_extract(args) -> int:
         args.model, args.input, args.output, layer_ids=args.layer_ids, batch_size=args.batch_size,
         max_samples=args.max_samples, fmt=args.format, on_overlength=args.on_overlength,
         queue_size=args.queue_size, progress=not args.no_progress, writer_threads=args.writer_threads,
-        writer=args.writer, checksum=args.checksum, shard_size=args.shard_size,
+        writer=args.writer, checksum=args.checksum, shard_size=args.shard_size, verify_existing=args.verify_existing,
         layer_id_convention=args.layer_id_convention, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, quantization=args.quantization,
         trust_remote_code=args.trust_remote_code, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -83,6 +83,9 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checksum", choices=CHECKSUMS, default=None,
                    help="each file's checksum in checksums.jsonl and manifest.json (default: what an earlier "
                         "run into --output used, else crc32: zlib's CRC-32, ~3x less CPU than sha256)")
+    p.add_argument("--verify-existing", action="store_true",
+                   help="on resume, checksum every file already written (default: those an interrupted run "
+                        "wrote in its last minute, and any whose size or modification time changed)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
     p.add_argument("--no-progress", action="store_true")
 

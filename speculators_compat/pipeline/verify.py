@@ -4,6 +4,11 @@ Reads ``manifest.json`` (or, for a run that has not finished, ``checksums.jsonl`
 every listed file exists with the listed size and checksum (whichever algorithm the record names:
 crc32 or sha256; a record without one is checked for size only). Data files on disk that the
 list lacks are reported too. Reads each file once, in 8 MiB pieces; no torch needed.
+
+Then whether the dataset is complete: run.json records how many samples the run reads, so an
+output whose run has not finished (no manifest.json), or that lacks some samples' files, is
+reported INCOMPLETE with the missing indices. Exit status: 0 complete and intact, 1 a damaged or
+missing file, 3 intact but incomplete.
 """
 from __future__ import annotations
 
@@ -46,7 +51,58 @@ def verify_output(root: str | Path) -> dict:
     for p in sorted(root.iterdir()):
         if (DATA_FILE_RE.match(p.name) or SHARD_FILE_RE.match(p.name)) and p.name not in listed:
             problems.append(f"{p.name}: on disk but not listed in {source}")
-    return {"source": source, "checked": len(records), "problems": problems, "ok": not problems}
+    res = {"source": source, "checked": len(records), "problems": problems, "ok": not problems}
+    res.update(_completeness(root, records, finished=source == "manifest.json"))
+    return res
+
+
+def _completeness(root: Path, records: list[dict], finished: bool) -> dict:
+    """Whether every sample of the run is on disk: ``complete``, ``expected`` (from run.json) and
+    ``missing`` (indices with no file that the run did not skip as over-long)."""
+    try:
+        run = json.loads((root / "run.json").read_text())
+    except (OSError, ValueError):
+        run = {}
+    expected = run.get("samples")
+    if expected is None:  # (an output written before run.json recorded its size)
+        return {"complete": finished, "expected": None, "missing": None}
+    have = set()
+    for rec in records:
+        first = int(rec["index"])
+        have.update(range(first, first + int(rec.get("samples") or 1)))
+    skipped = set(run.get("skipped_overlength") or [])
+    if (root / "manifest.json").exists():  # the run's own account of what it skipped
+        skipped |= set(json.loads((root / "manifest.json").read_text()).get("skipped_overlength") or [])
+    if run.get("shard_size", 1) > 1:  # a shard lists what it holds; records count the whole range
+        have = _shard_indices(root, records)
+    missing = [i for i in range(expected) if i not in have and i not in skipped]
+    return {"complete": finished and not missing, "expected": expected, "missing": missing}
+
+
+def _shard_indices(root: Path, records: list[dict]) -> set[int]:
+    """The sample indices the shards hold, from their safetensors metadata (read without torch)."""
+    from ..checkpoint import CheckpointError, _read_header
+
+    have = set()
+    for rec in records:
+        try:
+            raw, _ = _read_header(root / rec["file"])
+            meta = json.loads(json.loads(raw).get("__metadata__", {}).get("speculators_compat", "{}"))
+            have.update(int(i) for i in meta.get("indices", []))
+        except (OSError, ValueError, CheckpointError, AttributeError):
+            continue  # (reported above as missing or damaged)
+    return have
+
+
+def _ranges(ix: list[int]) -> str:
+    out, start = [], None
+    for a, b in zip([None] + ix, ix + [None]):
+        if start is None:
+            start = b
+        elif b is None or b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out[:8]) + (" ..." if len(out) > 8 else "")
 
 
 def main_verify(args) -> int:
@@ -56,6 +112,14 @@ def main_verify(args) -> int:
     else:
         for line in res["problems"]:
             print(f"BAD  {line}")
-        print(f"{'OK' if res['ok'] else 'FAILED'}: {res['checked']} files checked against {res['source']}, "
-              f"{len(res['problems'])} problem(s)")
-    return 0 if res["ok"] else 1
+        head = "OK" if res["ok"] and res["complete"] else "FAILED" if not res["ok"] else "INCOMPLETE"
+        print(f"{head}: {res['checked']} files checked against {res['source']}, {len(res['problems'])} problem(s)")
+        if res["ok"] and not res["complete"]:
+            if res["missing"]:
+                print(f"INCOMPLETE: {len(res['missing'])} of {res['expected']} samples have no file yet "
+                      f"(indices {_ranges(res['missing'])}); the run has not finished: run the same extract "
+                      "command again to complete it")
+            else:
+                print("INCOMPLETE: every sample has its file, but the run has not finished (no manifest.json): "
+                      "run the same extract command again to finish it")
+    return 1 if not res["ok"] else 0 if res["complete"] else 3

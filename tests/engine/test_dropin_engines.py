@@ -305,3 +305,21 @@ def test_fork_started_workers():
     result, log = run_snippet(FORK_SNIPPET, timeout=300)
     assert result is not None, log
     assert result["bad"] == 0, result
+
+
+def test_a_damaged_checkpoint_is_named_before_the_engine_starts(llama_path, tmp_path):
+    """A truncated weight file ended in vLLM's 'WorkerProc initialization failed', its cause only in
+    a worker's log; the weight file given for the model directory said 'does not exist'."""
+    import shutil
+
+    from speculators_compat.checkpoint import CheckpointError
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_path, model)
+    with pytest.raises(CheckpointError, match="model.safetensors' is a file: the model is given as its directory"):
+        VllmHiddenStatesGenerator(str(model / "model.safetensors"))
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: [0-9,]+ bytes, but its header describes [0-9,]+ "
+                                              r"\(truncated"):
+        VllmHiddenStatesGenerator(str(model), layer_ids=[1, 3, 5])

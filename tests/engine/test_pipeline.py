@@ -2,12 +2,14 @@
 states, resume to a byte-identical dataset, and a killed worker."""
 import io
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 from speculators_compat.pipeline.extract import run_extract
+from speculators_compat.pipeline.writer import OutputError
 from speculators_compat.testing import models, reference
 
 LAYERS = [1, 3, 5]
@@ -229,7 +231,9 @@ def test_bad_pipeline_inputs(gen, llama_path, tmp_path):
     with pytest.raises(DatasetError, match="bad.jsonl:2: malformed JSON"):
         run_extract(llama_path, str(tmp_path / "bad.jsonl"), str(tmp_path / "o1"), generator=gen, progress=False,
                     batch_size=1)
-    assert (tmp_path / "o1" / "data_0.pt").exists()  # what was done before the bad line is kept
+    # the whole input is checked before the first batch is computed (it was found only when the
+    # reader got to line 2, after sample 0 was computed and written)
+    assert not list((tmp_path / "o1").glob("data_*"))
     make_jsonl(tmp_path / "in.jsonl")
     with pytest.raises(DatasetError, match="sample 12 has 2100 tokens"):
         run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "o2"), generator=gen, progress=False,
@@ -279,3 +283,121 @@ def test_a_run_bound_by_its_disk_says_so(gen, llama_path, tmp_path, monkeypatch,
     assert read_dir(tmp_path / "slow") == read_dir(tmp_path / "fast")  # slow, but the same data
 
 
+
+
+def _flip_a_bit(p: Path, keep_mtime: bool = False) -> None:
+    st = p.stat()
+    b = bytearray(p.read_bytes())
+    b[-200] ^= 0x01
+    p.write_bytes(bytes(b))
+    if keep_mtime:  # (as a copy that keeps times, or bit rot, would)
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_resume_over_a_changed_input_is_refused(gen, llama_path, tmp_path):
+    """The same path, the same sample count, other contents (preprocessing run again into the
+    same file): the resume used to take it (already_done 6, 8 new files from the new contents, and
+    verify said OK). It is refused, naming the input, and nothing on disk changes. The same input
+    under another path is the same input: that resume is taken."""
+    import shutil
+
+    make_jsonl(tmp_path / "in.jsonl", seed=1)
+    shutil.copy(tmp_path / "in.jsonl", tmp_path / "same.jsonl")
+    out = tmp_path / "out"
+    run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=4, generator=gen, progress=False,
+                max_samples=6)
+    before = read_dir(out)
+    make_jsonl(tmp_path / "in.jsonl", seed=2)
+    with pytest.raises(OutputError, match=r"holds a different run \(input .*in.jsonl: the input's (contents|size) "
+                                          r"changed .*resuming would mix states of two runs"):
+        run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=4, generator=gen, progress=False)
+    assert read_dir(out) == before
+    s = run_extract(llama_path, str(tmp_path / "same.jsonl"), str(out), batch_size=4, generator=gen, progress=False)
+    assert s["already_done"] == 6 and s["new_files"] == len(LENGTHS) - 6
+
+
+def test_a_resume_over_changed_weights_is_refused(gen, llama_path, tmp_path):
+    """The model's weights replaced under the same path with tensors of the same names and shapes
+    (a retrained checkpoint): refused, naming the weight file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_path, model)
+    make_jsonl(tmp_path / "in.jsonl", seed=1)
+    out = tmp_path / "out"
+    run_extract(str(model), str(tmp_path / "in.jsonl"), str(out), batch_size=4, generator=gen, progress=False,
+                max_samples=4)
+    w = load_file(str(model / "model.safetensors"))
+    name = sorted(w)[0]
+    w[name] = w[name] * 1.01
+    save_file(w, str(model / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(OutputError, match=r"model .*: weight file model.safetensors holds other values"):
+        run_extract(str(model), str(tmp_path / "in.jsonl"), str(out), batch_size=4, generator=gen, progress=False)
+    assert len(list(out.glob("data_*.pt"))) == 4
+
+
+def test_a_damaged_file_is_computed_again(gen, llama_path, tmp_path, caplog):
+    """A bit flipped in data_5.pt (same size) counted as done and stayed: only verify noticed. Now
+    a resume checks each kept file's size and write time against its record, and the checksum of a
+    changed one, of those an unfinished run wrote last, and with verify_existing of all; a bad file
+    is said and computed again, to the bytes of the original."""
+    import logging
+
+    make_jsonl(tmp_path / "in.jsonl", seed=1)
+    out = tmp_path / "out"
+    kw = dict(batch_size=4, generator=gen, progress=False)
+    run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)
+    good = read_dir(out)
+    _flip_a_bit(out / "data_5.pt")
+    (out / "data_9.pt").write_bytes(good["data_9.pt"][:-10])
+    with caplog.at_level(logging.WARNING, logger="speculators_compat.pipeline"):
+        s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)
+    assert s["new_files"] == 2, s
+    assert "data_5.pt: its crc32 differs from the one recorded when it was written (the file was modified since)" \
+        in caplog.text
+    assert f"data_9.pt: {len(good['data_9.pt']) - 10:,} bytes where {len(good['data_9.pt']):,} were written" \
+        in caplog.text
+    assert read_dir(out) == good
+    # the same size and write time: a finished run's files are trusted, unless every file is checked
+    _flip_a_bit(out / "data_2.pt", keep_mtime=True)
+    assert run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)["new_files"] == 0
+    assert run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), verify_existing=True,
+                       **kw)["new_files"] == 1
+    assert read_dir(out) == good
+    # ... and an unfinished run's last files are checked (no manifest: the run did not finish)
+    last = json.loads((out / "checksums.jsonl").read_text().splitlines()[-1])["file"]
+    _flip_a_bit(out / last, keep_mtime=True)
+    (out / "manifest.json").unlink()
+    assert run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)["new_files"] == 1
+    assert read_dir(out) == good
+
+
+def test_truncation_is_said_naming_the_samples(gen, llama_path, tmp_path, caplog):
+    import logging
+
+    make_jsonl(tmp_path / "in.jsonl")
+    with caplog.at_level(logging.WARNING, logger="speculators_compat.pipeline"):
+        s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "out"), batch_size=7,
+                        generator=gen, progress=False)
+    assert s["truncated"] == 1
+    assert ("1 sample(s) longer than max_model_len - 1 = 2047 tokens will be truncated to that length: "
+            "sample 12 (2,100 tokens)") in caplog.text
+
+
+def test_verify_says_an_unfinished_run_is_incomplete(gen, llama_path, tmp_path, capsys):
+    """A run that stopped part-way (here at a token id outside the vocabulary, in its second batch):
+    verify said OK; it says INCOMPLETE, with how many samples are missing, and exits 3."""
+    from speculators_compat.cli import main
+    from speculators_compat.pipeline.dataset import DatasetError
+
+    rows = [{"input_ids": [1, 2, 3]}] * 5 + [{"input_ids": [4, models.VOCAB + 9]}] + [{"input_ids": [7, 8]}] * 3
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DatasetError):
+        run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "out"), generator=gen, progress=False,
+                    batch_size=4)
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "out")]) == 3
+    said = capsys.readouterr().out
+    assert "INCOMPLETE: 5 of 9 samples have no file yet (indices 4-8); the run has not finished" in said, said

@@ -1,0 +1,173 @@
+"""The model checkpoint on disk: checked before an engine starts, and fingerprinted.
+
+``check_checkpoint(path)`` raises :class:`CheckpointError` naming the file when the directory
+cannot be a loadable checkpoint: a file given where the directory is meant, no ``config.json``, a
+shard that the safetensors index lists but that is not there, a safetensors file whose size is not
+what its own header says (a truncated download or copy). Without it, vLLM's workers fail on such a
+file and the driver only says ``WorkerProc initialization failed``.
+
+``fingerprint_checkpoint(path)`` describes what the extracted states depend on, so that a resumed
+extraction can refuse a model that changed under the same path: ``config.json`` and the tokenizer
+files by SHA-256, each weight file by size, the SHA-256 of its safetensors header (names, dtypes,
+shapes, offsets) and a CRC-32 of 16 blocks of 64 KiB spread over its tensor data (a retrained or
+re-initialised model keeps the header and changes every block). That reads about 1 MiB a weight
+file, whatever its size. No torch, no safetensors package: the header format is read directly.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+
+SAMPLE_BLOCKS = 16
+SAMPLE_BLOCK_BYTES = 64 << 10
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "vocab.txt", "merges.txt", "tiktoken.model", "added_tokens.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class CheckpointError(ValueError):
+    """The model checkpoint cannot be loaded; the message names the file and what is wrong."""
+
+
+def is_local(model: str) -> bool:
+    """Whether ``model`` names something on this machine (else a hub id, which is not checked)."""
+    return os.path.exists(model) or model.startswith(("/", "./", "../", "~")) or model.count("/") != 1
+
+
+def _read_header(path: Path) -> tuple[bytes, int]:
+    """(raw JSON header, size of the tensor data it describes) of a safetensors file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: {size} bytes, too short to be a safetensors file (truncated?)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise CheckpointError(f"{path}: its header claims {n:,} bytes but the file has {size:,} "
+                                  "(truncated or not a safetensors file)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
+    data = max(ends, default=0)
+    if size != 8 + n + data:
+        raise CheckpointError(f"{path}: {size:,} bytes, but its header describes {8 + n + data:,} "
+                              f"({'truncated' if size < 8 + n + data else 'trailing bytes'}: a download or "
+                              "copy that did not finish?)")
+    return raw, data
+
+
+def _weight_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
+                  and not p.name.startswith("."))
+
+
+def check_checkpoint(model: str) -> None:
+    """Raise CheckpointError if the local checkpoint ``model`` is visibly broken (module docstring).
+    A hub id (not a local path) is left to the loader."""
+    if not is_local(model):
+        return
+    p = Path(model).expanduser()
+    if p.is_file():
+        raise CheckpointError(f"model path {model!r} is a file: the model is given as its directory, the one "
+                              f"holding config.json and the weights (here perhaps {str(p.parent)!r})")
+    if not p.exists():
+        raise FileNotFoundError(f"model path {model!r} does not exist")
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"model directory {model!r} has no config.json")
+    for name in INDEX_FILES:
+        index = p / name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: not a readable weight index ({type(e).__name__}: {e})") from None
+            missing = [s for s in shards if not (p / s).is_file()]
+            if missing:
+                raise CheckpointError(f"{index} lists {len(missing)} weight file(s) that are not in {p}: "
+                                      f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    for f in _weight_files(p):
+        if f.name.endswith(".safetensors"):
+            _read_header(f)
+        elif f.stat().st_size == 0:
+            raise CheckpointError(f"{f}: empty weight file")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sampled_crc(path: Path, start: int, length: int) -> str:
+    """CRC-32 of SAMPLE_BLOCKS blocks spread evenly over ``[start, start + length)`` of the file."""
+    crc = 0
+    with open(path, "rb") as f:
+        if length <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+            f.seek(start)
+            crc = zlib.crc32(f.read(length))
+        else:
+            step = (length - SAMPLE_BLOCK_BYTES) // (SAMPLE_BLOCKS - 1)
+            for k in range(SAMPLE_BLOCKS):
+                f.seek(start + k * step)
+                crc = zlib.crc32(f.read(SAMPLE_BLOCK_BYTES), crc)
+    return f"{crc:08x}"
+
+
+def fingerprint_checkpoint(model: str) -> dict:
+    """What the states depend on (module docstring); a hub id is fingerprinted by its name only."""
+    if not is_local(model) or not Path(model).is_dir():
+        return {"hub_id": model}
+    p = Path(model).expanduser()
+    fp: dict = {"config.json": _sha256(p / "config.json"),
+                "tokenizer": {n: _sha256(p / n) for n in TOKENIZER_FILES if (p / n).is_file()},
+                "weights": {}}
+    for f in _weight_files(p):
+        size = f.stat().st_size
+        if f.name.endswith(".safetensors"):
+            raw, data = _read_header(f)
+            entry = {"bytes": size, "header_sha256": hashlib.sha256(raw).hexdigest(),
+                     "data_crc32_sampled": _sampled_crc(f, 8 + len(raw), data)}
+        else:
+            entry = {"bytes": size, "data_crc32_sampled": _sampled_crc(f, 0, size)}
+        fp["weights"][f.name] = entry
+    return fp
+
+
+def describe_model_change(old: dict, new: dict) -> list[str]:
+    """What differs between two fingerprints of a model, one phrase each (empty: the same)."""
+    if old == new:
+        return []
+    if "hub_id" in old or "hub_id" in new:
+        return [f"model {old.get('hub_id', 'a local directory')!r} -> {new.get('hub_id', 'a local directory')!r}"]
+    out = []
+    if old.get("config.json") != new.get("config.json"):
+        out.append("config.json changed")
+    ot, nt = old.get("tokenizer", {}), new.get("tokenizer", {})
+    for n in sorted(set(ot) | set(nt)):
+        if ot.get(n) != nt.get(n):
+            out.append(f"tokenizer file {n} {'added' if n not in ot else 'removed' if n not in nt else 'changed'}")
+    ow, nw = old.get("weights", {}), new.get("weights", {})
+    for n in sorted(set(ow) | set(nw)):
+        a, b = ow.get(n), nw.get(n)
+        if a == b:
+            continue
+        if a is None or b is None:
+            out.append(f"weight file {n} {'added' if a is None else 'removed'}")
+        elif a.get("bytes") != b.get("bytes"):
+            out.append(f"weight file {n} changed size ({a.get('bytes'):,} -> {b.get('bytes'):,} bytes)")
+        elif a.get("header_sha256") != b.get("header_sha256"):
+            out.append(f"weight file {n} holds other tensors (its header changed)")
+        else:
+            out.append(f"weight file {n} holds other values (same tensors and size, different contents)")
+    return out
