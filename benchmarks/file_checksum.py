@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU per data_{i}.pt file of the pipeline's write (writer.write_sample: direct encoder, crc32
+"""CPU per data_{i}.pt file of the pipeline's write (files.write_sample: direct encoder, crc32
 checksum, temp + rename), with the file's CRC-32 made from the records' own CRCs (crc.of_parts,
 the default) against hashing every byte again (the baseline), alternating, same process.
 
@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from speculators_compat.pipeline import crc, writer
+    from speculators_compat.pipeline import crc
+    from speculators_compat.pipeline import files as writer
 
     g = torch.Generator().manual_seed(0)
     sample = {"input_ids": torch.randint(0, 32000, (a.rows,), generator=g),

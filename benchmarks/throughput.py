@@ -7,8 +7,8 @@ batch:
   raw       vLLM's own LLM.generate(max_tokens=1) per batch (prefill + one sampled token)
   generate  speculators_compat VllmHiddenStatesGenerator.generate() per batch (capture + hand-off)
   pipeline  the full extract pipeline over the same batches (--batch-size = --batch): generate +
-            torch.save of every sample to disk on the background writer, manifest at the end; timed
-            around run_extract (until session 6 the timed region also held deleting that output afterwards)
+            every sample's file written by the pipeline's writers, manifest at the end; timed around
+            run_extract (deleting the output afterwards is not timed)
   hf        HF transformers forward with output_hidden_states, micro-batched
 Each is warmed up once, then the contenders run in turn, ``--reps`` rounds (alternating, so drift hits
 all); the table gives the median tokens/s and the spread (min-max), and the last line the ratios.
@@ -51,7 +51,7 @@ def _sample_bytes(path: str, lengths: list[int], itemsize: int, layers: str | No
 def _file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
     """CPU microseconds (this thread: user + kernel) per file to create, write ``nbytes`` and rename
     into ``root``, as the pipeline's writer does (the files are deleted afterwards, untimed)."""
-    from speculators_compat.pipeline.writer import write_parts
+    from speculators_compat.pipeline.files import write_parts
 
     n = n or max(20, min(400, (256 << 20) // max(nbytes, 1)))  # at most ~256 MiB written
     d = tempfile.mkdtemp(prefix="fs-probe-", dir=root)
@@ -77,22 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     ap.add_argument("--layers", default=None, help="comma-separated layer ids (default: upstream's 4)")
-    ap.add_argument("--copy-modes", default="pinned", help="GPU: e.g. 'pinned,sync' to compare hand-offs")
-    ap.add_argument("--host-allocs", default="auto", help="GPU: e.g. 'malloc,pinned': where the driver's copies live")
-    ap.add_argument("--copy-threads", default="1", help="GPU: e.g. '1,8': threads copying states out in the driver")
-    ap.add_argument("--zero-copy", default="1", help="e.g. '1,0': lend arena rows (1) or copy them out (0)")
-    ap.add_argument("--driver-waits", default=None, help="e.g. 'block,spin': how the driver waits for its "
-                    "workers (default: SPECULATORS_COMPAT_DRIVER_WAIT, else spin)")
-    ap.add_argument("--announce", default=None, help="e.g. 'wait,ahead': how each batch is announced to the "
-                    "workers (default: SPECULATORS_COMPAT_ANNOUNCE, else ahead)")
-    ap.add_argument("--switch-intervals", default="default", help="GPU: e.g. 'default,0.0005': the driver's "
-                    "sys.setswitchinterval (how long a thread that wants the GIL waits for a spinning one)")
     ap.add_argument("--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)")
     ap.add_argument("--writer-modes", default="auto", help="e.g. 'thread,process': the pipeline's writer")
-    ap.add_argument("--read-ahead", default="1", help="e.g. '1,0': the pipeline reads its input a batch ahead "
-                    "on a thread (1, its default) or in line (0)")
-    ap.add_argument("--writer-nice", default=None, help="e.g. '0,idle': the writer processes' priority "
-                    "(SPECULATORS_COMPAT_WRITER_NICE: a niceness increment or idle)")
     ap.add_argument("--pt-writers", default=None, help="e.g. 'direct,torch': how data_{i}.pt files are made "
                     "(SPECULATORS_COMPAT_PT_WRITER: the direct encoder, the default, or torch.save)")
     ap.add_argument("--checksums", default="crc32", help="e.g. 'crc32,sha256': the pipeline's file checksum "
@@ -172,14 +158,11 @@ def main(argv=None) -> int:
 
     breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
 
-    def pipeline_fn(gen, wt=None, wm="auto", name=None, ra=True, nice=None, ck="crc32", fmt="pt", shard=1,
-                    ptw=None, od=out_dirs[0]):
-        if nice is not None:  # read when the writer processes start (a change restarts them)
-            os.environ["SPECULATORS_COMPAT_WRITER_NICE"] = nice
-        if ptw is not None:  # the same
+    def pipeline_fn(gen, wt=None, wm="auto", name=None, ck="crc32", fmt="pt", shard=1, ptw=None, od=out_dirs[0]):
+        if ptw is not None:  # read when the writer processes start (a change restarts them)
             os.environ["SPECULATORS_COMPAT_PT_WRITER"] = ptw
         if wm == "process" or (wm == "auto" and cuda):  # a new pool size restarts the processes:
-            from speculators_compat.pipeline.writer import writer_pool  # start them outside the timing
+            from speculators_compat.pipeline.procwriter import writer_pool  # start them outside the timing
 
             writer_pool(wt).wait_ready()
 
@@ -187,7 +170,7 @@ def main(argv=None) -> int:
             out = tempfile.mkdtemp(prefix="out-", dir=out_roots[od])
             t = time.perf_counter()
             s = run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False, writer_threads=wt,
-                            writer=wm if shard == 1 else "thread", read_ahead=ra, checksum=ck, fmt=fmt,
+                            writer=wm if shard == 1 else "thread", checksum=ck, fmt=fmt,
                             shard_size=shard)
             total = time.perf_counter() - t
             shutil.rmtree(out)
@@ -233,11 +216,8 @@ def main(argv=None) -> int:
         slabs_made.setdefault(name, []).append(after.get("arena_slabs_made", 0) - before.get("arena_slabs_made", 0))
         engine_s.setdefault(name, []).append({k: round(after[k] - before[k], 3) for k in ENGINE_KEYS if k in after})
 
-    copy_modes = a.copy_modes.split(",") if cuda else ["cpu"]
     wts = [int(x) for x in a.writer_threads.split(",")] if a.writer_threads else [None]
     wms = a.writer_modes.split(",")
-    ras = [int(x) for x in a.read_ahead.split(",")]
-    nices = a.writer_nice.split(",") if a.writer_nice else [None]
     cks = a.checksums.split(",")
     ptws = a.pt_writers.split(",") if a.pt_writers else [None]
     fmts = a.formats.split(",")
@@ -248,63 +228,30 @@ def main(argv=None) -> int:
 
     def time_pipelines(gen, tag):  # every pipeline variant asked for, once each
         timed = set()
-        for wt, wm, ra, nice, ck, (fmt, shard), ptw, od in itertools.product(wts, wms, ras, nices, cks, outputs, ptws,
-                                                                              out_dirs):
+        for wt, wm, ck, (fmt, shard), ptw, od in itertools.product(wts, wms, cks, outputs, ptws, out_dirs):
             if shard > 1:  # shards are written on a thread, whatever --writer-modes says: once
                 wm = "thread"
             name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
                     + (f"[{fmt}]" if len(fmts) > 1 else "") + (f"[s{shard}]" if len(shards) > 1 else "")
-                    + (f"[ra{ra}]" if len(ras) > 1 else "") + (f"[n{nice}]" if len(nices) > 1 else "")
                     + (f"[{ck}]" if len(cks) > 1 else "") + (f"[{ptw}]" if len(ptws) > 1 else "")
                     + (f"[{od}]" if len(out_dirs) > 1 else ""))
             if name in timed:
                 continue
             timed.add(name)
             pipeline_tag[name] = tag
-            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, bool(ra), nice, ck, fmt, shard, ptw, od))
+            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, ck, fmt, shard, ptw, od))
 
-    from speculators_compat.engine.driver_wait import driver_wait_from_env
-
-    waits = a.driver_waits.split(",") if a.driver_waits else [driver_wait_from_env()]
-    from speculators_compat.engine.core import announce_from_env
-
-    announces = a.announce.split(",") if a.announce else [announce_from_env()]
-    default_switch = sys.getswitchinterval()
-    switches = [None if x == "default" else float(x) for x in a.switch_intervals.split(",")]
+    dev = "cuda" if cuda else "cpu"
     if cuda:  # both engines alive; alternate call by call
         llm, raw = make_raw()
         gen, ours = make_ours()
-        # the first copy mode before the warm-up: a switch rebuilds the worker's arena, which the
-        # warm-up is there to fill (switched inside the timed rounds, the first timed pipeline run
-        # made its arena's slabs: 3 of them, 0.88 s of engine time, on the H200)
-        gen.engine.set_copy_mode(copy_modes[0])
         raw(), ours()  # warm-up (the pipeline's too: its writer processes start once)
         for wm in wms:
             pipeline_fn(gen, wts[0], wm)()
-        allocs = a.host_allocs.split(",")
-        threads = [int(x) for x in a.copy_threads.split(",")]
-        zeros = [int(x) for x in a.zero_copy.split(",")]
-        variants = list(itertools.product(allocs, threads, zeros, waits, switches, announces))
         for _ in range(a.reps):
             rec("raw", _timed(raw))
-            for h, n, z, dw, si, an in variants:
-                sys.setswitchinterval(si or default_switch)
-                gen.engine.set_host_alloc(h)
-                gen.engine.set_copy_threads(n)
-                gen.engine.set_zero_copy(bool(z))
-                gen.engine.set_driver_wait(dw)
-                gen.engine.set_announce(an)
-                tag = ((f"[{h}]" if len(allocs) > 1 else "") + (f"[t{n}]" if len(threads) > 1 else "")
-                       + (f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else "")
-                       + (f"[si{si or 'default'}]" if len(switches) > 1 else "")
-                       + (f"[{an}]" if len(announces) > 1 else ""))
-                for m in copy_modes:
-                    if m != gen.engine.opts.copy_mode:  # a switch rebuilds the worker's arena:
-                        gen.engine.set_copy_mode(m)     # that first call is set-up, not throughput
-                        ours()
-                    rec_run(gen, f"generate[{m}]" + tag, lambda: _timed(ours))
-                time_pipelines(gen, tag)
-                sys.setswitchinterval(default_switch)
+            rec_run(gen, f"generate[{dev}]", lambda: _timed(ours))
+            time_pipelines(gen, "")
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
         del llm
@@ -321,21 +268,13 @@ def main(argv=None) -> int:
             ours()
             for wm in wms:
                 pipeline_fn(gen, wts[0], wm)()
-            zeros = [int(x) for x in a.zero_copy.split(",")]
             for _ in range(a.reps):
-                for z, dw, an in itertools.product(zeros, waits, announces):
-                    gen.engine.set_zero_copy(bool(z))
-                    gen.engine.set_driver_wait(dw)
-                    gen.engine.set_announce(an)
-                    tag = ((f"[z{z}]" if len(zeros) > 1 else "") + (f"[{dw}]" if len(waits) > 1 else "")
-                           + (f"[{an}]" if len(announces) > 1 else ""))
-                    rec_run(gen, "generate[cpu]" + tag, lambda: _timed(ours))
-                    time_pipelines(gen, tag)
+                rec_run(gen, f"generate[{dev}]", lambda: _timed(ours))
+                time_pipelines(gen, "")
             gen.close()
     if not a.no_hf:
         from transformers import AutoModelForCausalLM
 
-        dev = "cuda" if cuda else "cpu"
         m = AutoModelForCausalLM.from_pretrained(path, torch_dtype=getattr(torch, a.dtype)).to(dev).eval()
         ids = torch.tensor(prompts, device=dev)
         mb = max(1, 8192 // a.seq)
@@ -364,7 +303,7 @@ def main(argv=None) -> int:
            "max_num_batched_tokens": a.max_num_batched_tokens, "out_dir": a.out_dir or tempfile.gettempdir(),
            "out_dirs": out_dirs if a.out_dirs else None, "file_cost_us": file_cost, "sample_bytes": sample_bytes}
     print(json.dumps(env))
-    print(f"| contender | tokens/s (median) | spread (min-max) | runs |")
+    print("| contender | tokens/s (median) | spread (min-max) | runs |")
     print("|---|---|---|---|")
     for k, r in rows.items():
         print(f"| {k} | {r['tok_s_median']:,.0f} | {r['tok_s_min']:,.0f} - {r['tok_s_max']:,.0f} | {r['runs']} |")
@@ -375,8 +314,6 @@ def main(argv=None) -> int:
         for pk in [k for k in rows if pipeline_tag.get(k) == tag]:
             ratios[f"{pk}/{gen_key}"] = rows[pk]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     gen_key = next(k for k in rows if k.startswith("generate"))
-    if "generate[sync]" in rows and "generate[pinned]" in rows:
-        ratios["pinned/sync"] = rows["generate[pinned]"]["tok_s_median"] / rows["generate[sync]"]["tok_s_median"]
     if "hf" in rows:
         ratios[f"{gen_key}/hf"] = rows[gen_key]["tok_s_median"] / rows["hf"]["tok_s_median"]
     if a.json:

@@ -41,16 +41,18 @@ def main(argv=None) -> int:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from speculators_compat.engine import core
-    from speculators_compat.engine import worker as wk
-    from speculators_compat.pipeline.writer import BackgroundWriter, OutputDir, ProcessWriter, shutdown_writer_pool
+    from speculators_compat.engine import arena as wk
+    from speculators_compat.engine import handoff
+    from speculators_compat.pipeline.outdir import OutputDir
+    from speculators_compat.pipeline.procwriter import ProcessWriter, shutdown_writer_pool
+    from speculators_compat.pipeline.writers import BackgroundWriter
 
     g = torch.Generator().manual_seed(0)
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    arena = wk._Arena(os.path.join(shm, f"sc-writer-bench-{os.getpid()}-"), pin=False)
+    arena = wk.Arena(os.path.join(shm, f"sc-writer-bench-{os.getpid()}-"), pin=False)
     row_bytes = a.hidden * 2
     arena.prepare(a.batches * a.batch * a.layers * (a.seq * row_bytes + wk.SHM_ALIGN))
-    reader = core._ArenaReader("malloc", threads=1, lend=True)
+    reader = handoff.ArenaReader(threads=1, lend=True)
     batches = []
     for b in range(a.batches):
         items = []
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
         od = OutputDir(out, "pt")
         od.prepare({"bench": True})
         if kind == "process":  # start (or resize) the process pool outside the timing
-            from speculators_compat.pipeline.writer import writer_pool
+            from speculators_compat.pipeline.procwriter import writer_pool
 
             writer_pool(n)
         t = time.perf_counter()
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
     for _ in range(a.reps):
         for sp in spins:
             (spinning.set if sp else spinning.clear)()
-            tag = f"[spin]" if sp else ""
+            tag = "[spin]" if sp else ""
             for n in threads:
                 for m in modes:
                     if m == "torch.save":

@@ -111,11 +111,12 @@ def main() -> int:
 
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator as Upstream
 
-    for strategy in ("disable", "keep"):
-        os.environ["SPECULATORS_COMPAT_ASYNC"] = strategy
-        g = Upstream(tiny, layer_ids=[1, 3, 5], max_model_len=2048, gpu_memory_utilization=0.3)
-        run(f"upstream+import async={strategy}", g, tiny, [1, 3, 5])
-        g.__del__()
+    g = Upstream(tiny, layer_ids=[1, 3, 5], max_model_len=2048, gpu_memory_utilization=0.3)
+    run("upstream+import", g, tiny, [1, 3, 5])  # (vLLM's own choice: async scheduling on)
+    g.__del__()
+    with VllmHiddenStatesGenerator(tiny, layer_ids=[1, 3, 5], max_model_len=2048, gpu_memory_utilization=0.3,
+                                   async_scheduling="disable") as g:
+        run("drop-in tiny async=disable", g, tiny, [1, 3, 5])
     with VllmHiddenStatesGenerator(big, max_model_len=4096, dtype="bfloat16", gpu_memory_utilization=0.4,
                                    max_num_batched_tokens=2048, async_scheduling="keep") as g:
         run("drop-in llama-1b bf16 async=keep", g, big, g.layer_ids, vocab=32000)

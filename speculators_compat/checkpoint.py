@@ -31,8 +31,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-class CheckpointError(ValueError):
-    """The model checkpoint cannot be loaded; the message names the file and what is wrong."""
+from .errors import CheckpointError
 
 
 def is_local(model: str) -> bool:
@@ -40,7 +39,7 @@ def is_local(model: str) -> bool:
     return os.path.exists(model) or model.startswith(("/", "./", "../", "~")) or model.count("/") != 1
 
 
-def _read_header(path: Path) -> tuple[bytes, int]:
+def read_safetensors_header(path: Path) -> tuple[bytes, int]:
     """(raw JSON header, size of the tensor data it describes) of a safetensors file."""
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -96,7 +95,7 @@ def check_checkpoint(model: str) -> None:
                                       f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     for f in _weight_files(p):
         if f.name.endswith(".safetensors"):
-            _read_header(f)
+            read_safetensors_header(f)
         elif f.stat().st_size == 0:
             raise CheckpointError(f"{f}: empty weight file")
 
@@ -135,7 +134,7 @@ def fingerprint_checkpoint(model: str) -> dict:
     for f in _weight_files(p):
         size = f.stat().st_size
         if f.name.endswith(".safetensors"):
-            raw, data = _read_header(f)
+            raw, data = read_safetensors_header(f)
             entry = {"bytes": size, "header_sha256": hashlib.sha256(raw).hexdigest(),
                      "data_crc32_sampled": _sampled_crc(f, 8 + len(raw), data)}
         else:

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"speculators-compat: error: {e}", file=sys.stderr)
             return 2
     from .engine.core import CaptureError, StallError, WorkerDiedError
-    from .pipeline.writer import OutputError
+    from .errors import OutputError
 
     expected = (FileNotFoundError, ValueError, TypeError, OutputError, CaptureError, StallError, WorkerDiedError)
     try:

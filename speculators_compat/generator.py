@@ -1,96 +1,23 @@
 """Drop-in ``VllmHiddenStatesGenerator``: speculators 0.3.0's constructor and ``generate()`` contract,
 on our engine loop, for every vLLM 0.11 -> 0.32, with or without speculators installed.
 
-Layer-id convention (``layer_id_convention``):
-  * ``"upstream"`` (default, speculators 0.3.0): id ``L`` is the output of decoder layer ``L``
-    (0-based), residual included, *before* the final norm. ``L = n-1`` is the last layer's
-    output before the norm (HF's ``hidden_states[-1]`` is after the norm, so it differs).
-    For L < n-1 it equals HF ``output_hidden_states[L + 1]``.
-  * ``"eagle3"`` (vLLM's native EAGLE-3 / ``extract_hidden_states`` ids): id ``i`` is the output of
-    ``i`` decoder layers, i.e. upstream id ``i - 1``; ``i = n`` is the last layer. Id 0 (the
-    embeddings) is not captured.
-Upstream's default ids are ``[2, n//2, n-3, n-1]`` (Kimi-K2.5, n=61: ``[2, 30, 58, 60]``), which are
-vLLM native ``[3, 31, 59, 61]``.
+Layer ids and their two conventions: layers.py.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-from pathlib import Path
 from numbers import Integral
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
-from .checkpoint import CheckpointError, check_checkpoint
-from .engine.core import CaptureError, EngineOptions, ExtractionEngine, TokenIdError
+from .checkpoint import check_checkpoint
+from .engine.config import EngineOptions
+from .engine.core import ExtractionEngine
+from .errors import CaptureError, CheckpointError, TokenIdError
+from .host import cuda_device_count
+from .layers import default_layer_ids, normalize_layer_ids, read_num_layers
 
 logger = logging.getLogger("speculators_compat")
-
-# Upstream 0.3.0's engine settings, kept for the patched class (prefill-only workload).
-UPSTREAM_MAX_NUM_SEQS = 32
-UPSTREAM_MIN_BATCHED_TOKENS = 8192
-
-
-def read_num_layers(model_path: str, trust_remote_code: bool = False) -> int:
-    """Decoder layer count from config.json (``num_hidden_layers``, or ``text_config``'s for VLMs)."""
-    cfg_file = Path(model_path) / "config.json"
-    cfg: Any
-    if cfg_file.is_file():
-        cfg = json.loads(cfg_file.read_text())
-        get = cfg.get
-        text = cfg.get("text_config") or {}
-        tget = text.get
-    else:
-        looks_local = model_path.startswith(("/", "./", "../", "~")) or model_path.count("/") != 1
-        if looks_local or os.path.isdir(model_path):
-            what = "has no config.json" if os.path.isdir(model_path) else "does not exist"
-            raise FileNotFoundError(f"model path {model_path!r} {what}")
-        from transformers import AutoConfig
-
-        c = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        get = lambda k, d=None: getattr(c, k, d)  # noqa: E731
-        t = getattr(c, "text_config", None)
-        tget = (lambda k, d=None: getattr(t, k, d)) if t is not None else (lambda k, d=None: d)  # noqa: E731
-    n = get("num_hidden_layers") or tget("num_hidden_layers")
-    if not n:
-        raise ValueError(f"cannot determine the number of decoder layers of {model_path} "
-                         "(no num_hidden_layers in its config or text_config)")
-    return int(n)
-
-
-def default_layer_ids(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3, num_layers - 1]
-
-
-def normalize_layer_ids(layer_ids: Sequence[int] | None, num_layers: int, convention: str = "upstream",
-                        allow_duplicates: bool = False) -> list[int]:
-    """Validate ids and convert them to upstream's convention (output of decoder layer L)."""
-    if convention not in ("upstream", "eagle3"):
-        raise ValueError(f"layer_id_convention must be 'upstream' or 'eagle3', not {convention!r}")
-    if layer_ids is None:
-        return default_layer_ids(num_layers)
-    if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Iterable):
-        raise TypeError(f"layer_ids must be a list of integers, not {type(layer_ids).__name__}")
-    ids = list(layer_ids)
-    if not ids:
-        raise ValueError("layer_ids is empty: give at least one decoder layer id")
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, Integral):
-            raise TypeError(f"layer ids must be integers, got {i!r} ({type(i).__name__})")
-    ids = [int(i) for i in ids]  # numpy / torch integers become plain ints
-    if not allow_duplicates and len(set(ids)) != len(ids):
-        dup = sorted({i for i in ids if ids.count(i) > 1})
-        raise ValueError(f"duplicate layer ids {dup}")
-    if convention == "eagle3":
-        bad = [i for i in ids if not 1 <= i <= num_layers]
-        if bad:
-            raise ValueError(f"eagle3 layer ids {bad} out of range [1, {num_layers}] (id 0, the "
-                             "embeddings, is not captured)")
-        return [i - 1 for i in ids]
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"Layer index {bad[0]} out of bounds [0, {num_layers - 1}]")
-    return ids
 
 
 _INT = {int}
@@ -174,6 +101,10 @@ class VllmHiddenStatesGenerator:
     ``language_model_only=True``, so a VLM's vision tower (Kimi-K2.5's MoonViT) is neither loaded nor
     profiled with dummy images (``engine_kwargs={"language_model_only": False}`` overrides it).
     vLLM 0.15/0.16 have no such switch and build the tower as serving would.
+
+    ``zero_copy`` (default: ``SPECULATORS_COMPAT_ZERO_COPY``, on): the returned tensors lie over the
+    engine's /dev/shm arena, no copy; each keeps its slab there until every tensor over it is
+    dropped (``.clone()`` what you keep for long). False copies every row out.
     """
 
     def __init__(self, model_path: str, layer_ids: list[int] | None = None, max_model_len: int = 2048,
@@ -182,7 +113,7 @@ class VllmHiddenStatesGenerator:
                  max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                  enable_expert_parallel: bool = False, async_scheduling: str | None = None,
                  layer_id_convention: str = "upstream", on_overlength: str = "truncate",
-                 engine_kwargs: dict | None = None):
+                 zero_copy: bool | None = None, engine_kwargs: dict | None = None):
         if isinstance(model_path, os.PathLike):
             model_path = os.fspath(model_path)  # (vLLM itself calls str methods on it)
         if not isinstance(model_path, str):
@@ -207,7 +138,7 @@ class VllmHiddenStatesGenerator:
             tensor_parallel_size=tensor_parallel_size, dtype=dtype, quantization=quantization,
             trust_remote_code=trust_remote_code, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_expert_parallel=enable_expert_parallel,
-            async_scheduling=async_scheduling, engine_kwargs=dict(engine_kwargs or {}))
+            async_scheduling=async_scheduling, zero_copy=zero_copy, engine_kwargs=dict(engine_kwargs or {}))
         self._engine = ExtractionEngine(opts, self.layer_ids)
         if self._engine.model_info["num_layers"] != num_layers:
             raise RuntimeError(f"config.json says {num_layers} layers but vLLM built "
@@ -241,7 +172,6 @@ class VllmHiddenStatesGenerator:
         ``hidden_states`` (one [len, hidden] tensor per layer id, in ``layer_ids`` order) and
         ``loss_mask`` (None). Sequences longer than ``max_model_len - 1`` are truncated (upstream's
         behaviour; a warning names them) or rejected with ``on_overlength="error"``."""
-        import torch
 
         seqs = to_token_lists(token_ids, self._engine.vocab_size)
         seqs = self._fit(seqs)
@@ -280,23 +210,10 @@ class VllmHiddenStatesGenerator:
         self.close()
 
 
-def cuda_device_count() -> int:
-    """Visible CUDA devices, without initialising CUDA or poisoning fork (NVML where torch can)."""
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count() if torch.cuda._is_compiled() else 0
-
-
 def _check_devices(tp: int) -> None:
     """Fail fast when tensor parallelism asks for more GPUs than this machine has."""
-    try:
-        import torch
-    except ImportError:
-        return
-    # device_count() asks NVML; torch.cuda.is_available() would call cudaGetDeviceCount, which
-    # poisons fork: vLLM (seeing CUDA not initialised) forks its workers and they die at start-up.
+    # (cuda_device_count asks NVML; torch.cuda.is_available() would call cudaGetDeviceCount, which
+    # poisons fork: vLLM, seeing CUDA not initialised, forks its workers and they die at start-up)
     n = cuda_device_count()
     if n > 0:
         if tp > n:

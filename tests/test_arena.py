@@ -1,4 +1,4 @@
-"""The worker's hand-off arena and row plan (engine/worker.py), without an engine.
+"""The worker's hand-off arena and row plan (engine/arena.py, attribution.py, handoff.py), without an engine.
 
 The real-engine tests (tests/engine) run the same code inside vLLM workers; these pin down the
 edge cases an engine run rarely reaches: growth in the middle of a batch, a full /dev/shm, rows of
@@ -12,7 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from speculators_compat.engine import worker as w  # noqa: E402
+from speculators_compat.engine import arena as arena_mod  # noqa: E402
+from speculators_compat.engine import attribution, capture, handoff  # noqa: E402
+from speculators_compat.errors import ArenaSpaceError  # noqa: E402
 
 
 @pytest.fixture
@@ -21,7 +23,7 @@ def prefix(tmp_path):
 
 
 def test_growth_keeps_earlier_blocks_until_the_next_batch(prefix):
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     a.reserve(1 << 20)
     b0, o0 = a.alloc(512 * 1024)
     a.view(b0, o0, 1024, 128, torch.float32).fill_(1.5)
@@ -37,9 +39,9 @@ def test_growth_keeps_earlier_blocks_until_the_next_batch(prefix):
 
 
 def test_blocks_are_aligned(prefix):
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     offs = [a.alloc(n)[1] for n in (3, 100, 2, 64, 1)]
-    assert all(o % w.SHM_ALIGN == 0 for o in offs)
+    assert all(o % arena_mod.SHM_ALIGN == 0 for o in offs)
     a.close()
 
 
@@ -50,30 +52,30 @@ def test_full_shm_is_a_clear_error_and_leaves_nothing(prefix, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    a = w._Arena(prefix, pin=False)
-    with pytest.raises(w.ArenaSpaceError, match=r"shm-size.*SPECULATORS_COMPAT_HANDOFF=rpc"):
+    a = arena_mod.Arena(prefix, pin=False)
+    with pytest.raises(ArenaSpaceError, match=r"shm-size.*SPECULATORS_COMPAT_HANDOFF=rpc"):
         a.reserve(10 << 20)
     assert glob.glob(prefix + "*") == []
 
 
 def test_memory_arena_for_rpc_handoff():
-    a = w._Arena(None, pin=False)
+    a = arena_mod.Arena(None, pin=False)
     b, o = a.alloc(4096)
     assert a.path(b) is None
     a.view(b, o, 4, 256, torch.float32).fill_(3.0)
-    assert w._gather(a, [(b, o, 4)], 256, torch.float32).eq(3.0).all()
+    assert capture._gather(a, [(b, o, 4)], 256, torch.float32).eq(3.0).all()
     a.close()
 
 
 def _state(expected, hidden=8):
-    st = w._CaptureState(layer_ids=[0])
+    st = capture._CaptureState(layer_ids=[0])
     st.expected, st.hidden, st.dtype = dict(expected), hidden, torch.float32
     return st
 
 
 def test_plan_contiguous_rows_use_a_slice():
     st = _state({"a": 10, "b": 4})
-    source, kept = w._plan_rows(st, ["a", "b"], [6, 4], [0, 0], None)
+    source, kept = attribution.plan_rows(st, ["a", "b"], [6, 4], [0, 0], None)
     assert source == slice(0, 10)
     assert kept == [("a", 0, 6, 0), ("b", 0, 4, 6)]
 
@@ -82,7 +84,7 @@ def test_plan_skips_foreign_and_decode_rows():
     # "x" is not ours; "b" is past its prompt (a decode row): neither is kept, and the rows of
     # "c" behind them are picked by index, not by offset
     st = _state({"a": 10, "b": 3, "c": 5})
-    source, kept = w._plan_rows(st, ["a", "x", "b", "c"], [4, 2, 1, 5], [6, 0, 3, 0], None)
+    source, kept = attribution.plan_rows(st, ["a", "x", "b", "c"], [4, 2, 1, 5], [6, 0, 3, 0], None)
     assert kept == [("a", 6, 4, 0), ("c", 0, 5, 4)]
     assert source.tolist() == [0, 1, 2, 3, 7, 8, 9, 10, 11]
 
@@ -93,27 +95,27 @@ def test_plan_in_arena_order_undoes_a_step_sorted_by_length():
     # the regions are adjacent; in step order they stay as scheduled.
     st = _state({"a": 10, "b": 3, "c": 6})
     st.order = {"a": 0, "b": 1, "c": 2}
-    source, kept = w._plan_rows(st, ["b", "c", "a"], [3, 6, 10], [0, 0, 0], None, arena_order=True)
+    source, kept = attribution.plan_rows(st, ["b", "c", "a"], [3, 6, 10], [0, 0, 0], None, arena_order=True)
     assert kept == [("a", 0, 10, 0), ("b", 0, 3, 10), ("c", 0, 6, 13)]
     assert source.tolist() == list(range(9, 19)) + [0, 1, 2] + list(range(3, 9))
     rows = torch.arange(19.0)  # row r of the step holds the value r
     assert rows[source].tolist() == list(range(9, 19)) + [0, 1, 2] + list(range(3, 9))
-    source, kept = w._plan_rows(st, ["b", "c", "a"], [3, 6, 10], [0, 0, 0], None, arena_order=False)
+    source, kept = attribution.plan_rows(st, ["b", "c", "a"], [3, 6, 10], [0, 0, 0], None, arena_order=False)
     assert [k[0] for k in kept] == ["b", "c", "a"] and source == slice(0, 19)
 
 
 def test_plan_trims_rows_past_the_prompt():
     st = _state({"a": 5})
-    source, kept = w._plan_rows(st, ["a"], [4], [3], None)
+    source, kept = attribution.plan_rows(st, ["a"], [4], [3], None)
     assert kept == [("a", 3, 2, 0)] and source == slice(0, 2)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_nonfinite_flag_catches_every_bad_value(bad):
     t = torch.randn(64, 32).bfloat16()
-    assert not bool(w._nonfinite_flag(t))
+    assert not bool(capture._nonfinite_flag(t))
     t[17, 5] = bad
-    assert bool(w._nonfinite_flag(t))
+    assert bool(capture._nonfinite_flag(t))
 
 
 def test_driver_never_poisons_fork_before_the_engine_starts(monkeypatch):
@@ -121,14 +123,13 @@ def test_driver_never_poisons_fork_before_the_engine_starts(monkeypatch):
     GPU workers (CUDA not initialised) and they die at start-up (seen on an H200 with the extract
     CLI). This CPU machine has no CUDA, so the seam is replaced: any call to is_available fails."""
     from speculators_compat import generator
-    from speculators_compat.engine import core
 
     def poisoned():
         raise AssertionError("torch.cuda.is_available() called in the driver")
 
     monkeypatch.setattr(torch.cuda, "is_available", poisoned)
     generator._check_devices(1)
-    assert core._ArenaReader("auto").mode in ("pinned", "malloc")
+    assert handoff.ArenaReader().mode in ("pinned", "malloc")
     from speculators_compat.pipeline import plan
 
     plan._detect_gpu_gib()
@@ -137,10 +138,9 @@ def test_driver_never_poisons_fork_before_the_engine_starts(monkeypatch):
 def test_threaded_copy_out_equals_single_thread_and_owns_storage(prefix):
     """The driver's copy-out with a thread pool must give exactly the single-thread result, each
     tensor owning exactly its rows, for requests whose layers span several blocks and files."""
-    from speculators_compat.engine import core
 
     hidden, dtype = 1024, torch.bfloat16
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     a.reserve(4096)
     states = {}
     g = torch.Generator().manual_seed(3)
@@ -155,8 +155,8 @@ def test_threaded_copy_out_equals_single_thread_and_owns_storage(prefix):
             layers.append(blocks)
         states[f"r{r}"] = layers
     assert len({p for ls in states.values() for bl in ls for p, _, _ in bl}) > 1, "expected growth"
-    one = core._ArenaReader("malloc", threads=1).assemble_all(states, hidden, dtype)
-    reader = core._ArenaReader("malloc", threads=3)
+    one = handoff.ArenaReader(threads=1).assemble_all(states, hidden, dtype)
+    reader = handoff.ArenaReader(threads=3)
     many = reader.assemble_all(states, hidden, dtype)
     assert reader._pool is not None, "three threads must use the pool"
     assert list(many) == list(one)
@@ -168,28 +168,24 @@ def test_threaded_copy_out_equals_single_thread_and_owns_storage(prefix):
     a.close()
 
 
-def test_copy_threads_auto(monkeypatch):
-    from speculators_compat.engine import core
+def test_copy_threads_auto():
+    from speculators_compat.engine import handoff
 
-    monkeypatch.delenv(core.COPY_THREADS_ENV, raising=False)
-    assert core._ArenaReader("malloc").threads == 1  # CPU hosts: the engine needs the cores
-    assert 1 <= core.auto_copy_threads("pinned") <= 8
-    monkeypatch.setenv(core.COPY_THREADS_ENV, "3")
-    assert core._ArenaReader("malloc").threads == 3
+    assert handoff.ArenaReader().threads == 1  # CPU hosts: the engine needs the cores
+    assert 1 <= handoff.auto_copy_threads("pinned") <= 8
 
 
-@pytest.mark.parametrize("env,bad", [("SPECULATORS_COMPAT_COPY_THREADS", b) for b in ("0", "-2", "four")]
-                         + [("SPECULATORS_COMPAT_ZERO_COPY", b) for b in ("yes", "2", "")])
-def test_reader_env_is_checked(monkeypatch, env, bad):
-    from speculators_compat.engine import core
+@pytest.mark.parametrize("bad", ["yes", "2", "lend"])
+def test_zero_copy_setting_is_checked(monkeypatch, bad):
+    from speculators_compat import envs
 
-    monkeypatch.setenv(env, bad)
-    with pytest.raises(ValueError, match=env):
-        core._ArenaReader("malloc")
+    monkeypatch.setenv("SPECULATORS_COMPAT_ZERO_COPY", bad)
+    with pytest.raises(ValueError, match="SPECULATORS_COMPAT_ZERO_COPY must be one of 1, 0"):
+        envs.enabled("SPECULATORS_COMPAT_ZERO_COPY")
 
 
 def test_prepare_never_refills_a_busy_slab_and_keeps_few_spares(prefix):
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     a.prepare(1 << 20)
     first = a.cur
     a.prepare(1 << 20, busy=[a.path(first)])  # the caller still holds rows of the first batch
@@ -200,7 +196,7 @@ def test_prepare_never_refills_a_busy_slab_and_keeps_few_spares(prefix):
     for _ in range(3):  # everything returned: free slabs are reused, at most SPARE kept besides
         a.prepare(1 << 20)
         assert a.cur in (first, second, a._n)
-    assert len(a.slabs) <= 1 + w._Arena.SPARE
+    assert len(a.slabs) <= 1 + arena_mod.Arena.SPARE
     a.prepare(4 << 20)  # a bigger batch: slabs too small for it are released
     assert len(a.slabs) == 1 and a.capacity >= 4 << 20
     assert len(glob.glob(prefix + "*")) == 1
@@ -209,7 +205,7 @@ def test_prepare_never_refills_a_busy_slab_and_keeps_few_spares(prefix):
 
 
 def test_slab_serials_are_never_reused(prefix):
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     seen = set()
     for i in range(5):
         a.prepare((2 << i) << 20)  # each batch twice as big (past the headroom): the old slab is released
@@ -219,7 +215,7 @@ def test_slab_serials_are_never_reused(prefix):
 
 
 def _filled_arena(prefix, hidden, dtype, rows_per_block, seed=5):
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     a.prepare(1 << 20)
     g = torch.Generator().manual_seed(seed)
     blocks = []
@@ -233,11 +229,10 @@ def _filled_arena(prefix, hidden, dtype, rows_per_block, seed=5):
 def test_lent_tensor_is_exactly_its_block_and_busy_until_every_view_dies(prefix, tmp_path):
     import gc
 
-    from speculators_compat.engine import core
 
     hidden, dtype = 256, torch.bfloat16
     a, blocks = _filled_arena(prefix, hidden, dtype, [7, 5])
-    r = core._ArenaReader("malloc", threads=1, lend=True)
+    r = handoff.ArenaReader(threads=1, lend=True)
     lent = r.assemble([blocks[0]], hidden, dtype)
     joined = r.assemble(blocks, hidden, dtype)  # two blocks: copied
     p, off, rows = blocks[0]
@@ -269,11 +264,10 @@ def test_rows_dropped_into_an_old_garbage_cycle_come_back(prefix):
     costs at most 1/FULL_GC_SPACING of the time."""
     import gc
 
-    from speculators_compat.engine import core
 
     hidden, dtype = 32, torch.float32
     a, blocks = _filled_arena(prefix, hidden, dtype, [4])
-    r = core._ArenaReader("malloc", threads=1, lend=True)
+    r = handoff.ArenaReader(threads=1, lend=True)
     holder = [r.assemble(blocks, hidden, dtype)]
     holder.append(holder)  # a cycle ...
     gc.collect(1)  # ... that survives into the oldest generation while still referenced
@@ -298,11 +292,10 @@ def test_rows_dropped_into_an_old_garbage_cycle_come_back(prefix):
 def test_lent_rows_outlive_the_worker_arena(prefix):
     """A lent tensor keeps its own mapping: the worker releasing (unlinking) the slab, or the
     engine shutting down, does not take the caller's data away."""
-    from speculators_compat.engine import core
 
     hidden, dtype = 64, torch.float32
     a, blocks = _filled_arena(prefix, hidden, dtype, [9])
-    r = core._ArenaReader("malloc", threads=1, lend=True)
+    r = handoff.ArenaReader(threads=1, lend=True)
     t = r.assemble(blocks, hidden, dtype)
     want = t.clone()
     a.close()
@@ -313,11 +306,10 @@ def test_lent_rows_outlive_the_worker_arena(prefix):
 
 
 def test_copy_mode_lends_nothing(prefix):
-    from speculators_compat.engine import core
 
     hidden, dtype = 64, torch.float32
     a, blocks = _filled_arena(prefix, hidden, dtype, [9])
-    r = core._ArenaReader("malloc", threads=1, lend=False)
+    r = handoff.ArenaReader(threads=1, lend=False)
     t = r.assemble(blocks, hidden, dtype)
     assert r.busy() == [] and torch.equal(t, a.view(a.cur, blocks[0][1], 9, hidden, dtype))
     a.close()
@@ -325,8 +317,8 @@ def test_copy_mode_lends_nothing(prefix):
 
 def test_free_slabs_kept_up_to_the_recent_peak_then_released(prefix, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(w.time, "monotonic", lambda: clock[0])
-    a = w._Arena(prefix, pin=False)
+    monkeypatch.setattr(arena_mod.time, "monotonic", lambda: clock[0])
+    a = arena_mod.Arena(prefix, pin=False)
     held = []
     for _ in range(5):  # a write queue holding up to five batches at once
         a.prepare(1 << 20, busy=held)
@@ -334,31 +326,27 @@ def test_free_slabs_kept_up_to_the_recent_peak_then_released(prefix, monkeypatch
     assert len(a.slabs) == 5
     a.prepare(1 << 20)  # all returned: the recent peak (6 in use) is kept for the next batches
     assert len(a.slabs) == 5
-    for _ in range(3 * w._Arena.RECENT):  # many quick batches holding nothing, within KEEP_S:
+    for _ in range(3 * arena_mod.Arena.RECENT):  # many quick batches holding nothing, within KEEP_S:
         clock[0] += 0.1                    # the peak stays (a write queue needs those slabs again)
         a.prepare(1 << 20)
     assert len(a.slabs) == 5 and a._n == 5
     clock[0] += a.keep_s + 1  # and then older than both windows: back to the spare count
     a.prepare(1 << 20)
-    assert len(a.slabs) == 1 + w._Arena.SPARE
+    assert len(a.slabs) == 1 + arena_mod.Arena.SPARE
     a.close()
 
 
-def test_arena_keep_seconds_from_env(prefix, monkeypatch):
-    monkeypatch.setenv(w.KEEP_S_ENV, "0")
-    a = w._Arena(prefix, pin=False)
+def test_a_zero_keep_window_keeps_only_the_recent_batch_count(prefix, monkeypatch):
+    a = arena_mod.Arena(prefix, pin=False)
+    a.keep_s = 0.0
     held = []
     for _ in range(4):
         a.prepare(1 << 20, busy=held)
         held.append(a.path(a.cur))
-    for _ in range(w._Arena.RECENT + 1):  # window 0 s: only the batch count keeps the peak
+    for _ in range(arena_mod.Arena.RECENT + 1):  # window 0 s: only the batch count keeps the peak
         a.prepare(1 << 20)
-    assert len(a.slabs) == 1 + w._Arena.SPARE
+    assert len(a.slabs) == 1 + arena_mod.Arena.SPARE
     a.close()
-    for bad in ("-1", "soon", "nan"):
-        monkeypatch.setenv(w.KEEP_S_ENV, bad)
-        with pytest.raises(ValueError, match=w.KEEP_S_ENV):
-            w._Arena(prefix, pin=False)
 
 
 def test_sweep_removes_only_files_of_engines_that_are_gone(tmp_path):
@@ -367,7 +355,6 @@ def test_sweep_removes_only_files_of_engines_that_are_gone(tmp_path):
     import subprocess
     import sys
 
-    from speculators_compat.engine import core
 
     d = str(tmp_path)
     dead = os.path.join(d, "speculators-compat-0000dead-")
@@ -379,24 +366,24 @@ def test_sweep_removes_only_files_of_engines_that_are_gone(tmp_path):
     (tmp_path / "unrelated").write_bytes(b"x")
     # the dead engine held its lock in a process that has exited
     subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[2]); "
-                    "from speculators_compat.engine import core; core.hold_handoff_lock(sys.argv[1])",
+                    "from speculators_compat.engine import handoff; handoff.hold_handoff_lock(sys.argv[1])",
                     dead, os.getcwd()], check=True)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[2]); "
-                               "from speculators_compat.engine import core; core.hold_handoff_lock(sys.argv[1]); "
+                               "from speculators_compat.engine import handoff; handoff.hold_handoff_lock(sys.argv[1]); "
                                "print('held', flush=True); time.sleep(60)", live, os.getcwd()],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        removed = core.sweep_stale_handoff_files(d)
+        removed = handoff.sweep_stale_handoff_files(d)
         assert sorted(removed) == sorted(os.path.basename(dead) + x for x in ("arena1", "arena2", "lock"))
         assert sorted(os.listdir(d)) == sorted([os.path.basename(live) + x for x in ("arena1", "arena2", "lock")]
                                                + ["speculators-compat-00001e9a-arena1", "unrelated"])
         with pytest.raises(OSError):  # and a second engine cannot take a live engine's lock
-            core.hold_handoff_lock(live)
+            handoff.hold_handoff_lock(live)
     finally:
         holder.kill()
         holder.wait()
-    assert sorted(core.sweep_stale_handoff_files(d)) == sorted(os.path.basename(live) + x
+    assert sorted(handoff.sweep_stale_handoff_files(d)) == sorted(os.path.basename(live) + x
                                                                for x in ("arena1", "arena2", "lock"))
 
 
@@ -406,12 +393,11 @@ def test_no_collection_while_the_worker_has_a_free_slab(prefix):
     once every slab the worker has is busy, it collects and the garbage's slab comes back."""
     import gc
 
-    from speculators_compat.engine import core
 
     hidden, dtype = 32, torch.float32
     a, blocks = _filled_arena(prefix, hidden, dtype, [4])
     path = blocks[0][0]
-    r = core._ArenaReader("malloc", threads=1, lend=True)
+    r = handoff.ArenaReader(threads=1, lend=True)
     holder = [r.assemble(blocks, hidden, dtype)]
     holder.append(holder)
     del holder  # garbage in a cycle: only a collection frees it
@@ -430,7 +416,7 @@ def test_no_collection_while_the_worker_has_a_free_slab(prefix):
 def _slabs_made_for(needs, prefix, depth=3):
     """Prepare one batch after another, each slab busy (lent to a write queue) until ``depth``
     later batches have started; return how many slabs the arena made after the first ``depth + 1``."""
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     lent = []
     made_at_warm = None
     for i, need in enumerate(needs):
@@ -469,7 +455,7 @@ def test_headroom_falls_back_to_the_exact_size_when_shm_is_short(prefix, monkeyp
         return real(fd, off, size)
 
     monkeypatch.setattr(os, "posix_fallocate", short)
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     a.prepare(limit)
     assert a.capacity == limit and len(glob.glob(prefix + "*")) == 1
     a.close()
@@ -478,7 +464,7 @@ def test_headroom_falls_back_to_the_exact_size_when_shm_is_short(prefix, monkeyp
 def _pipeline_slabs(needs, prefix, depths, want=None):
     """Prepare ``needs`` one after another, each slab lent (busy) until ``depths[i]`` later batches
     have started (a write queue whose backlog varies); -> slabs made after the first batch."""
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     lent = []
     for i, (need, depth) in enumerate(zip(needs, depths)):
         a.prepare(need, busy=[a.path(k) for k in lent], want=want if i == 0 else None)
@@ -499,7 +485,7 @@ def test_slabs_asked_for_are_made_at_the_first_batch(prefix):
     depths = [1] * 10 + [2] * 10 + [3] * 10  # writers falling behind as the run goes on
     assert _pipeline_slabs(needs, prefix, depths) == 3  # at the 2nd, 11th and 21st batch
     assert _pipeline_slabs(needs, prefix, depths, want=4) == 0
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     a.prepare(10 << 20, want=4)
     assert len(a.slabs) == 4 and a.want == 4
     assert all(s[1].numel() >= int(1.25 * (10 << 20)) for s in a.slabs.values())  # with headroom
@@ -521,7 +507,7 @@ def test_slabs_asked_for_stop_at_a_full_shm(prefix, monkeypatch, caplog):
         return real(fd, off, size)
 
     monkeypatch.setattr(os, "posix_fallocate", short)
-    a = w._Arena(prefix, pin=False)
+    a = arena_mod.Arena(prefix, pin=False)
     with caplog.at_level("INFO"):
         a.prepare(1 << 20, want=4)  # the batch itself is placed; the rest is not an error
     assert a.capacity >= 1 << 20 and len(a.slabs) == 2 and a.want == 2
@@ -536,24 +522,24 @@ def test_slabs_asked_for_stay_through_the_keep_window_after_the_ask_ends(prefix,
     H200 each such slab was released (~0.11 s) and made again (~0.35 s). They go once older than
     both keep windows, as any recent peak does."""
     clock = [1000.0]
-    monkeypatch.setattr(w.time, "monotonic", lambda: clock[0])
-    a = w._Arena(prefix, pin=False)
+    monkeypatch.setattr(arena_mod.time, "monotonic", lambda: clock[0])
+    a = arena_mod.Arena(prefix, pin=False)
     a.prepare(1 << 20, want=4)
     for _ in range(5):  # a pipeline whose writers keep up: nothing is held at the next batch
         clock[0] += 0.1
         a.prepare(1 << 20)
     made = a._n
     a.prepare(1 << 20, want=0)  # the pipeline is done
-    for _ in range(3 * w._Arena.RECENT):  # quick plain calls within KEEP_S
+    for _ in range(3 * arena_mod.Arena.RECENT):  # quick plain calls within KEEP_S
         clock[0] += 0.1
         a.prepare(1 << 20)
     assert len(a.slabs) == 4
     a.prepare(1 << 20, want=4)  # the next pipeline run finds them
     assert a._n == made
     a.prepare(1 << 20, want=0)
-    for _ in range(w._Arena.RECENT + 1):
+    for _ in range(arena_mod.Arena.RECENT + 1):
         a.prepare(1 << 20)
     clock[0] += a.keep_s + 1
     a.prepare(1 << 20)
-    assert len(a.slabs) == 1 + w._Arena.SPARE
+    assert len(a.slabs) == 1 + arena_mod.Arena.SPARE
     a.close()

@@ -12,7 +12,9 @@ from collections import deque
 import pytest
 
 
-from speculators_compat.engine.core import ExtractionEngine, StallError, resolve_async
+from speculators_compat.engine.config import resolve_async
+from speculators_compat.engine.core import ExtractionEngine
+from speculators_compat.errors import StallError
 
 
 class FakeAsyncCore:
@@ -65,12 +67,8 @@ def test_loop_reports_a_stall(mocker):
         _engine_with(core)._drive()
 
 
-def test_async_strategy_choice(monkeypatch):
-    monkeypatch.delenv("SPECULATORS_COMPAT_ASYNC", raising=False)
-    assert resolve_async(None) == "keep"  # vLLM's choice: 2.3-2.7x faster engine loop on an H200
-    monkeypatch.setenv("SPECULATORS_COMPAT_ASYNC", "disable")
-    assert resolve_async(None) == "disable"
-    assert resolve_async("disable") == "disable"
-    monkeypatch.setenv("SPECULATORS_COMPAT_ASYNC", "sometimes")
-    with pytest.raises(ValueError, match="SPECULATORS_COMPAT_ASYNC"):
-        resolve_async(None)
+def test_async_strategy_choice():
+    assert resolve_async(None) == "keep"  # vLLM's own choice (async scheduling where it has it)
+    assert resolve_async("disable") == "disable" and resolve_async("keep") == "keep"
+    with pytest.raises(ValueError, match="async_scheduling must be one of"):
+        resolve_async("sometimes")

@@ -4,7 +4,7 @@ import pytest
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
-from speculators_compat.engine.worker import find_base_model  # noqa: E402
+from speculators_compat.engine.capture import find_base_model  # noqa: E402
 
 
 class Decoder(nn.Module):

@@ -20,7 +20,8 @@ def test_bad_batches(batch, exc, text):
 
 
 def test_token_ids_checked_against_the_vocabulary():
-    from speculators_compat.engine.core import TokenIdError, check_token_ids
+    from speculators_compat.engine.core import check_token_ids
+    from speculators_compat.errors import TokenIdError
 
     assert to_token_lists([[0, 1023], [5]], vocab_size=1024) == [[0, 1023], [5]]
     with pytest.raises(TokenIdError, match=r"sequence 1 holds token id 1024, outside the model's "

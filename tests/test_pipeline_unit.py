@@ -6,7 +6,8 @@ import os
 import pytest
 
 from speculators_compat.pipeline.dataset import DatasetError, open_dataset
-from speculators_compat.pipeline.writer import OutputDir, OutputError
+from speculators_compat.errors import OutputError
+from speculators_compat.pipeline.outdir import OutputDir
 
 
 def write_jsonl(path, rows):
@@ -195,7 +196,7 @@ def test_partial_files_dropped_and_done_detected(tmp_path):
 def test_writer_failure_surfaces_and_keeps_written_files(tmp_path, mocker):
     """A full disk cannot be produced here: the write itself is the seam we replace (ENOSPC)."""
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import writers as w
 
     out = OutputDir(tmp_path)
     out.prepare({"m": 1})
@@ -228,7 +229,7 @@ def test_parallel_writer_writes_every_file_with_its_checksum(tmp_path, threads):
     import json
     import zlib
 
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import writers as w
 
     out = OutputDir(tmp_path)
     out.prepare({"m": 1})
@@ -246,7 +247,7 @@ def test_parallel_writer_writes_every_file_with_its_checksum(tmp_path, threads):
 
 
 def test_writer_threads_must_be_positive(tmp_path):
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import writers as w
 
     out = OutputDir(tmp_path)
     out.prepare({"m": 1})
@@ -255,11 +256,11 @@ def test_writer_threads_must_be_positive(tmp_path):
 
 
 def test_default_writer_threads_scale_with_cpus(monkeypatch):
-    from speculators_compat.engine import core
-    from speculators_compat.pipeline import writer
+    from speculators_compat import host
+    from speculators_compat.pipeline import writers as writer
 
     for cpus, want in [(1, 1), (2, 2), (4, 2), (16, 8), (128, 8)]:
-        monkeypatch.setattr(core.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        monkeypatch.setattr(host.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
         assert writer.default_writer_threads() == want
 
 
@@ -271,7 +272,7 @@ def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch,
     import hashlib
 
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writer
+    from speculators_compat.pipeline import files as writer
 
     g = torch.Generator().manual_seed(rows)
     sample = {"input_ids": torch.arange(rows), "loss_mask": torch.ones(rows, dtype=torch.long),
@@ -295,12 +296,12 @@ def _lent_samples(tmp_path, n=6, rows=(3, 9, 1, 17, 5, 2), hidden=64, arena_byte
     """Samples whose hidden states are lent arena rows (a /dev/shm-like file and the engine's own
     reader), as the zero-copy hand-off returns them."""
     torch = pytest.importorskip("torch")
-    from speculators_compat.engine import core
-    from speculators_compat.engine import worker as wk
+    from speculators_compat.engine import arena as wk
+    from speculators_compat.engine import handoff
 
-    arena = wk._Arena(str(tmp_path / "arena-"), pin=False)
+    arena = wk.Arena(str(tmp_path / "arena-"), pin=False)
     arena.prepare(arena_bytes)
-    reader = core._ArenaReader("malloc", threads=1, lend=True)
+    reader = handoff.ArenaReader(threads=1, lend=True)
     g = torch.Generator().manual_seed(11)
     items = []
     for i in range(n):
@@ -320,14 +321,15 @@ def _write_with_both(tmp_path, items, reader, fmt="pt", split=3, workers=2):
     writer; returns, per writer, its data files' bytes, its sorted checksums and the writer."""
     import json
 
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import procwriter as w
+    from speculators_compat.pipeline.writers import BackgroundWriter
 
     got = {}
     for kind in ("thread", "process"):
         out = OutputDir(tmp_path / kind, fmt)
         out.prepare({"m": 1})
         bw = (w.ProcessWriter(out, reader.describe, queue_size=1, processes=workers) if kind == "process"
-              else w.BackgroundWriter(out, queue_size=1, threads=workers))
+              else BackgroundWriter(out, queue_size=1, threads=workers))
         bw.put(items[:split])
         bw.put(items[split:])
         bw.close()
@@ -388,7 +390,7 @@ def test_a_layer_listed_twice_is_written_by_both_writers(tmp_path, fmt):
 
 def test_process_writer_unlent_rows_go_to_a_thread(tmp_path):
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import procwriter as w
 
     out = OutputDir(tmp_path / "o")
     out.prepare({"m": 1})
@@ -403,7 +405,7 @@ def test_killed_writer_process_is_a_clear_error_not_a_hang(tmp_path):
     import signal
     import time
 
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import procwriter as w
 
     arena, reader, items = _lent_samples(tmp_path)
     out = OutputDir(tmp_path / "o")
@@ -442,7 +444,7 @@ def test_process_writer_needs_no_driver_thread(tmp_path):
     on this machine."""
     import time
 
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import procwriter as w
 
     arena, reader, items = _lent_samples(tmp_path)
     warm = OutputDir(tmp_path / "warm")  # start the process (torch import) outside the timing
@@ -469,7 +471,7 @@ def test_process_writer_feeds_tasks_larger_than_the_pipe(tmp_path, monkeypatch):
     """A batch's tasks may not fit in a pipe (64 KiB when it cannot be grown): put() keeps the rest
     and writes it at the next chance instead of blocking the engine's thread; every file arrives
     and matches the thread writer's."""
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import procwriter as w
 
     monkeypatch.setattr(w, "_grow_pipe", lambda fd: 0)  # keep the OS default pipe size
     full = []
@@ -494,7 +496,7 @@ def test_process_writer_feeds_tasks_larger_than_the_pipe(tmp_path, monkeypatch):
 
 def test_process_writer_failure_names_the_sample(tmp_path):
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import procwriter as w
 
     out = OutputDir(tmp_path / "o")
     out.prepare({"m": 1})
@@ -516,7 +518,7 @@ def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows, pt_writ
     torch = pytest.importorskip("torch")
     import numpy as np
 
-    from speculators_compat.pipeline.writer import write_sample
+    from speculators_compat.pipeline.files import write_sample
 
     buf = np.frombuffer(bytearray(torch.randn(rows, 64).numpy().tobytes()), dtype=np.float32)
     died = []
@@ -542,42 +544,16 @@ def test_default_writer_processes_leave_the_engine_its_cores(mocker):
     """GPU hosts: one CPU for the driver, one spare and one per engine worker stay free, the rest
     write (2..16); CPU hosts: half. The GPU branch needs a CUDA device, so the device count is mocked
     here (the seam a CPU machine cannot reach); the CPU count is mocked to make cases."""
-    from speculators_compat.engine import core
-    from speculators_compat import generator
-    from speculators_compat.pipeline.writer import default_writer_processes
+    from speculators_compat.pipeline import procwriter
+    from speculators_compat.pipeline.procwriter import default_writer_processes
 
     cases = {(16, 1, True): 13, (16, 8, True): 6, (192, 8, True): 16, (4, 2, True): 2, (26, 8, True): 16,
              (25, 8, True): 15,
              (2, None, False): 2, (16, None, False): 8, (64, 8, False): 16}
     for (cpus, tp, gpu), want in cases.items():
-        mocker.patch.object(core, "usable_cpus", return_value=cpus)
-        mocker.patch.object(generator, "cuda_device_count", return_value=1 if gpu else 0)
+        mocker.patch.object(procwriter, "usable_cpus", return_value=cpus)
+        mocker.patch.object(procwriter, "cuda_device_count", return_value=1 if gpu else 0)
         assert default_writer_processes(tp) == want, (cpus, tp, gpu)
-
-
-def test_writer_processes_run_at_the_niceness_asked(monkeypatch):
-    """SPECULATORS_COMPAT_WRITER_NICE lowers the writers' CPU priority (the engine's processes go
-    first where cores are short); a bad value is refused before any process starts."""
-    pytest.importorskip("torch")  # (the writer processes import it)
-    from speculators_compat.pipeline import writer as w
-
-    for bad in ("-1", "20", "low", "IDLE"):
-        monkeypatch.setenv(w.WRITER_NICE_ENV, bad)
-        with pytest.raises(ValueError, match=w.WRITER_NICE_ENV):
-            w.writer_pool(1)
-    monkeypatch.setenv(w.WRITER_NICE_ENV, "7")
-    try:
-        pool = w.writer_pool(1)
-        pool.wait_ready()
-        mine = os.getpriority(os.PRIO_PROCESS, 0)
-        assert os.getpriority(os.PRIO_PROCESS, pool.procs[0].proc.pid) == min(19, mine + 7)
-        monkeypatch.setenv(w.WRITER_NICE_ENV, "idle")  # a new setting: new processes
-        pool2 = w.writer_pool(1)
-        pool2.wait_ready()
-        assert pool2 is not pool and os.sched_getscheduler(pool2.procs[0].proc.pid) == os.SCHED_IDLE
-    finally:
-        w.shutdown_writer_pool()
-
 
 
 def _independent_digest(algo, data):
@@ -594,14 +570,17 @@ def test_each_file_is_listed_with_the_chosen_checksum(tmp_path, kind, checksum, 
     keyed by its name, and no other; 'none' lists sizes only. Streamed and in-memory writes both."""
     import json
 
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import procwriter as w
+    from speculators_compat.pipeline.writers import BackgroundWriter
 
-    monkeypatch.setattr(w, "SMALL_SAMPLE_BYTES", 64 * 2 * 3 * 8)  # some samples stream, some do not
+    from speculators_compat.pipeline import files
+
+    monkeypatch.setattr(files, "SMALL_SAMPLE_BYTES", 64 * 2 * 3 * 8)  # some samples stream, some do not
     arena, reader, items = _lent_samples(tmp_path)
     out = OutputDir(tmp_path / "out", "pt", checksum)
     out.prepare({"m": 1})
     bw = (w.ProcessWriter(out, reader.describe, queue_size=1, processes=2) if kind == "process"
-          else w.BackgroundWriter(out, queue_size=1, threads=2))
+          else BackgroundWriter(out, queue_size=1, threads=2))
     bw.put(items[:3])
     bw.put(items[3:])
     bw.close()
@@ -624,7 +603,7 @@ def test_manifest_rehashes_files_listed_with_another_checksum(tmp_path):
     """A resumed run with another --checksum: the manifest lists every file with the new algorithm
     (files of the earlier run are rehashed), never a mix."""
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import writers as w
 
     sample = {"input_ids": torch.arange(5), "hidden_states": [torch.randn(5, 8)], "loss_mask": torch.ones(5)}
     for checksum, idx in [("sha256", [0, 1]), ("crc32", [2])]:
@@ -658,7 +637,7 @@ def test_unknown_checksum_is_refused_before_anything_starts(tmp_path):
 def test_a_digest_needs_a_chosen_algorithm(name):
     """None means "choose later" only before the run; a digest asked for None is a bug and must
     not silently become no checksum."""
-    from speculators_compat.pipeline.writer import new_digest
+    from speculators_compat.pipeline.checksums import new_digest
 
     with pytest.raises(ValueError, match=f"checksum must be one of crc32, sha256, none, not {name!r}"):
         new_digest(name)
@@ -669,7 +648,7 @@ def test_a_rerun_keeps_the_checksum_it_finds_unless_told(tmp_path):
     """No --checksum: a new output gets crc32; a rerun into an output made with sha256 keeps sha256
     (no rehash of a large dataset because a default changed)."""
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import writers as w
 
     sample = {"input_ids": torch.arange(4), "hidden_states": [torch.randn(4, 8)], "loss_mask": torch.ones(4)}
     assert OutputDir(tmp_path / "new").checksum is None
@@ -699,7 +678,7 @@ def test_verify_finds_every_kind_of_damage(tmp_path, checksum, capsys):
     file, a deleted file and an unlisted data file are each named, and the exit code is 1."""
     torch = pytest.importorskip("torch")
     from speculators_compat.cli import main
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import writers as w
 
     out = OutputDir(tmp_path, "pt", checksum)
     out.prepare({"m": 1})
@@ -748,7 +727,7 @@ def test_waiting_for_writer_processes_to_start_is_not_counted_as_a_slow_disk(tmp
     was slow (seen on the H200: "waited 2.8 s of 4.8 s", writing to a disk that keeps 1.2 GiB/s)."""
     import time
 
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import procwriter as w
 
     arena, reader, items = _lent_samples(tmp_path)
     w.shutdown_writer_pool()  # a pool whose process has not started yet

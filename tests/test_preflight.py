@@ -14,7 +14,8 @@ from speculators_compat.checkpoint import (CheckpointError, check_checkpoint, de
                                            fingerprint_checkpoint)
 from speculators_compat.pipeline import extract
 from speculators_compat.pipeline.dataset import DatasetError, describe_input_change, scan_input
-from speculators_compat.pipeline.writer import OutputDir, OutputError
+from speculators_compat.errors import OutputError
+from speculators_compat.pipeline.outdir import OutputDir
 
 
 def safetensors_bytes(tensors: dict[str, bytes], shapes: dict[str, list[int]] | None = None) -> bytes:
@@ -121,7 +122,7 @@ def test_a_second_run_into_a_locked_output_is_refused_naming_the_first(tmp_path,
     m, inp = fake_model(tmp_path / "m"), jsonl(tmp_path / "in.jsonl", ROWS)
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; sys.path.insert(0, sys.argv[2]);"
-        "from speculators_compat.pipeline.writer import OutputDir;"
+        "from speculators_compat.pipeline.outdir import OutputDir;"
         "o = OutputDir(sys.argv[1]); o.lock(); print('locked', flush=True); time.sleep(60)"),
         str(tmp_path / "out"), os.getcwd()], stdout=subprocess.PIPE, text=True)
     try:

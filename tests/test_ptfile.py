@@ -10,7 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from speculators_compat.pipeline import ptfile, writer  # noqa: E402
+from speculators_compat.pipeline import files as writer  # noqa: E402
+from speculators_compat.pipeline import ptfile  # noqa: E402
+from speculators_compat.pipeline.checksums import file_digest  # noqa: E402
 
 
 def _saved(obj) -> bytes:
@@ -202,4 +204,4 @@ def test_the_files_crc32_is_zlibs_over_its_bytes(tmp_path, rows, hidden):
     data = (tmp_path / "data_0.pt").read_bytes()
     assert data == _saved(s) and n == len(data)
     assert digest == f"{zlib.crc32(data):08x}"
-    assert writer.file_digest(tmp_path / "data_0.pt", "crc32") == digest
+    assert file_digest(tmp_path / "data_0.pt", "crc32") == digest

@@ -7,10 +7,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from speculators_compat.pipeline.shards import (ShardWriter, check_shard_size, done_from_shards,  # noqa: E402
-                                                load_shard, read_shard_range)
+from speculators_compat.pipeline.files import done_from_shards, read_shard_range  # noqa: E402
+from speculators_compat.pipeline.shards import ShardWriter, check_shard_size, load_shard  # noqa: E402
 from speculators_compat.pipeline.verify import verify_output  # noqa: E402
-from speculators_compat.pipeline.writer import OutputDir, OutputError  # noqa: E402
+from speculators_compat.errors import OutputError
+from speculators_compat.pipeline.outdir import OutputDir  # noqa: E402
 
 
 def sample(i, n=None):
@@ -127,7 +128,7 @@ def test_a_full_disk_is_an_error_at_the_next_put(tmp_path, monkeypatch):
     """A full disk cannot be produced here: the file write is the seam we replace (ENOSPC)."""
     import time
 
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import shards as w
 
     out = OutputDir(tmp_path, "safetensors", shard_size=2)
     out.prepare({"m": 1})

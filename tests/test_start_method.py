@@ -5,7 +5,7 @@ start-up after the driver had queried CUDA (speculators 0.3.0's class + the impo
 spawned ones started (docs/gpu-results.md section 19). These cases pin the rule itself."""
 import pytest
 
-from speculators_compat.engine.core import choose_start_method
+from speculators_compat.engine.config import choose_start_method
 
 
 def test_spawn_on_a_cuda_host_by_default():

@@ -20,10 +20,9 @@ INTERNALS = [
      "call our worker extension; rank 0's reply (list in 0.11, value from 0.12: probed at start-up)",
      "0.11-0.32 (UniProcExecutor lacks unique_reply_rank in 0.12-0.17: probed)", "medium"),
     ("MultiprocExecutor.collective_rpc(..., non_block=True) + executor.futures_queue",
-     "announce each batch without waiting; the reply (and any error) is taken after its steps, in call order "
-     "(SPECULATORS_COMPAT_ANNOUNCE=ahead, the default)",
+     "announce each batch without waiting; the reply (and any error) is taken after its steps, in call order",
      "0.12-0.32 (0.11 answers non_block through a thread pool: probed, falls back to waiting)",
-     "medium: relies on later calls draining earlier replies in order; `wait` restores the plain call"),
+     "medium: relies on later calls draining earlier replies in order (probed; where absent, each call waits)"),
     ("vllm.v1.request.Request(...)", "one max_tokens=1 request per prompt (signature-aware builder)",
      "0.11-0.32 (eos_token_id gone in 0.17)", "medium: see patch vllm_request"),
     ("ModelConfig.get_vocab_size()",
@@ -65,9 +64,4 @@ INTERNALS = [
      "0.17-0.32 (absent in 0.11-0.16: the tower is built as for serving); run: tiny Kimi-K2.5 on 0.32 CPU, "
      "Kimi-width INT4 Kimi-K2.5 on 0.20 H200",
      "low: a text model ignores it; without it a VLM whose processor needs real media files fails to profile"),
-    ("MultiprocExecutor.response_mqs (0.12+) / workers[i].worker_response_mq (0.11); "
-     "MessageQueue._read_spin_timer.spin() (0.11-0.17) / MessageQueue._spin_condition.wait() (0.18+)",
-     "the driver sleeps instead of spinning while it waits for a reply (engine/driver_wait.py; "
-     "SPECULATORS_COMPAT_DRIVER_WAIT=spin leaves vLLM's wait)",
-     "0.11-0.32 (source of every minor read; engine-tested on the CI matrix)", "low: speed only; a queue it does not recognise is logged and keeps vLLM's wait"),
 ]

@@ -27,7 +27,7 @@ def _init(self, model_path, layer_ids=None, max_model_len=2048, gpu_memory_utili
     from transformers import AutoTokenizer
 
     from ..engine.core import ExtractionEngine
-    from ..generator import default_layer_ids, read_num_layers
+    from ..layers import default_layer_ids, read_num_layers
 
     self.model_path = model_path
     self.tensor_parallel_size = tensor_parallel_size
@@ -47,8 +47,7 @@ def _init(self, model_path, layer_ids=None, max_model_len=2048, gpu_memory_utili
 
 
 def _upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size):
-    from ..engine.core import EngineOptions
-    from ..generator import UPSTREAM_MAX_NUM_SEQS, UPSTREAM_MIN_BATCHED_TOKENS
+    from ..engine.config import UPSTREAM_MAX_NUM_SEQS, UPSTREAM_MIN_BATCHED_TOKENS, EngineOptions
 
     return EngineOptions(
         model=model_path, tokenizer=model_path, trust_remote_code=True, dtype="auto",
@@ -58,7 +57,7 @@ def _upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_
 
 
 def _create_vllm_config(self, model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size):
-    from ..engine.core import build_vllm_config
+    from ..engine.config import build_vllm_config
 
     return build_vllm_config(_upstream_options(model_path, max_model_len, gpu_memory_utilization,
                                                tensor_parallel_size))

@@ -22,7 +22,7 @@ _METHODS = ("_setup_hidden_states_capture", "_reset_capture", "_get_captured_sta
 
 
 def _setup(self, layer_ids):
-    from ..engine.worker import install_capture
+    from ..engine.capture import install_capture
 
     self._layer_ids = frozenset(layer_ids)
     self._captured_states = None
@@ -38,7 +38,7 @@ def _reset(self):
 
 
 def _get(self):
-    from ..engine.worker import take_all_rows
+    from ..engine.capture import take_all_rows
 
     return take_all_rows(self)
 

@@ -16,87 +16,14 @@ Two breaks, two patches:
 """
 from __future__ import annotations
 
-import inspect
 import logging
-import weakref
-from typing import Any
 
+from ..engine.requests import caching_schedulers, request_params, set_eos, active_block_hasher, build_request
 from ..registry import Patch
 
 logger = logging.getLogger("speculators_compat")
 
-
-_params_cache: dict[Any, frozenset] = {}
-
-
-def _request_params(Request) -> frozenset:
-    # keyed by the __init__ object itself, so applying or reverting a patch is seen at once
-    init = getattr(Request.__init__, "__wrapped__", Request.__init__)
-    params = _params_cache.get(init)
-    if params is None:
-        params = _params_cache[init] = frozenset(inspect.signature(init).parameters)
-    return params
-
-
-def build_request(request_id: str, prompt: list[int], sampling_params, *, block_hasher=None,
-                  eos_token_id: int | None = None):
-    """A ``vllm.v1.request.Request`` for any vLLM 0.11 -> 0.32 (signature-aware, no patch needed)."""
-    from vllm.v1.request import Request
-
-    params = _request_params(Request)
-    kw: dict[str, Any] = dict(request_id=request_id, prompt_token_ids=prompt,
-                              sampling_params=sampling_params, pooling_params=None, arrival_time=0.0)
-    if "eos_token_id" in params:
-        kw["eos_token_id"] = eos_token_id
-    elif eos_token_id is not None:
-        _set_eos(sampling_params, eos_token_id)
-    if block_hasher is not None:
-        kw["block_hasher"] = block_hasher
-    if "mm_features" in params:
-        kw["mm_features"] = None
-    return Request(**kw)
-
-
-def _set_eos(sampling_params, eos: int) -> None:
-    if sampling_params is None or getattr(sampling_params, "ignore_eos", False):
-        return
-    upd = getattr(sampling_params, "update_from_generation_config", None)
-    if upd is not None and "eos_token_id" in inspect.signature(upd).parameters:
-        upd({}, eos_token_id=eos)
-
-
-# Schedulers that cache prefixes, and the (hash block size, hash algorithm, look-ahead tokens) each needs.
-_caching_schedulers: "weakref.WeakKeyDictionary[Any, tuple[int, str, int]]" = weakref.WeakKeyDictionary()
-_hasher_cache: dict[tuple[int, str, int], Any] = {}
-
-
-def _hasher_for(block_size: int, algo: str, lookahead: int = 0):
-    key = (block_size, algo, lookahead)
-    if key not in _hasher_cache:
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-        try:
-            from vllm.utils.hashing import get_hash_fn_by_name  # 0.12+
-        except ImportError:
-            from vllm.utils import get_hash_fn_by_name  # 0.11
-        fn = get_hash_fn_by_name(algo)
-        init_none_hash(fn)
-        # 0.33+: hashes may also cover look-ahead tokens (speculative decoding); pass them only when
-        # set, so older signatures (two parameters) are called as before
-        args = (block_size, fn, lookahead) if lookahead else (block_size, fn)
-        _hasher_cache[key] = get_request_block_hasher(*args)
-    return _hasher_cache[key]
-
-
-def active_block_hasher():
-    """The block hasher the most recently built prefix-caching scheduler needs, or None."""
-    items = list(_caching_schedulers.values())
-    if not items:
-        return None
-    if len(set(items)) > 1:
-        logger.warning("speculators_compat: several prefix-caching schedulers with different block "
-                       "sizes are alive; supplying the newest one's block hasher")
-    return _hasher_for(*items[-1])
+__all__ = ["RequestPatch", "build_request"]
 
 
 class RequestPatch(Patch):
@@ -119,7 +46,7 @@ class RequestPatch(Patch):
     def needed(self, module):
         from vllm.v1.request import Request
 
-        params = _request_params(Request)
+        params = request_params(Request)
         parts = []
         if "block_hasher" in params:
             parts.append("Request(block_hasher=None) is never hashed: a prefix-caching scheduler "
@@ -131,7 +58,7 @@ class RequestPatch(Patch):
     def _apply(self, module):
         from vllm.v1 import request as request_mod
 
-        params = _request_params(request_mod.Request)
+        params = request_params(request_mod.Request)
         drop_eos = "eos_token_id" not in params
         supply_hasher = "block_hasher" in params
 
@@ -144,14 +71,14 @@ class RequestPatch(Patch):
                     bs = instance.cache_config.block_size
                 algo = getattr(instance.cache_config, "prefix_caching_hash_algo", "sha256")
                 lookahead = getattr(getattr(instance, "vllm_config", None), "num_hash_lookahead_tokens", 0)
-                _caching_schedulers[instance] = (int(bs), algo, int(lookahead or 0))
+                caching_schedulers[instance] = (int(bs), algo, int(lookahead or 0))
             return result
 
         def req_init(wrapped, instance, args, kwargs):
             if drop_eos and "eos_token_id" in kwargs:
                 eos = kwargs.pop("eos_token_id")
                 if eos is not None:
-                    _set_eos(kwargs.get("sampling_params", args[2] if len(args) > 2 else None), eos)
+                    set_eos(kwargs.get("sampling_params", args[2] if len(args) > 2 else None), eos)
             if supply_hasher and kwargs.get("block_hasher") is None:
                 hasher = active_block_hasher()
                 if hasher is not None:
@@ -163,4 +90,4 @@ class RequestPatch(Patch):
 
     def _revert(self, module):
         self._unwrap_all()
-        _caching_schedulers.clear()
+        caching_schedulers.clear()

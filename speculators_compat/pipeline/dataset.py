@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 
-class DatasetError(ValueError):
-    """A malformed input sample; the message names the file and line / row."""
+from ..errors import DatasetError
 
 
 @dataclass

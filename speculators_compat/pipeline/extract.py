@@ -18,16 +18,19 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .. import versions
-from ..engine.core import TokenIdError
+from ..errors import TokenIdError
 from .dataset import DatasetError, Sample, count_arrow_rows, open_dataset, scan_input
 from .shards import ShardWriter, check_shard_size
-from .writer import BackgroundWriter, OutputDir, ProcessWriter, check_checksum
+from .checksums import check_checksum
+from .outdir import OutputDir
+from .procwriter import ProcessWriter
+from .writers import BackgroundWriter
 
 WRITER_MODES = ("auto", "thread", "process")
 
 
 def _gpu_host() -> bool:
-    from ..generator import cuda_device_count
+    from ..host import cuda_device_count
 
     return cuda_device_count() > 0
 
@@ -40,7 +43,7 @@ def choose_writer(mode: str, generator) -> str:
         raise ValueError(f"writer must be one of {WRITER_MODES}, not {mode!r}")
     if mode != "auto":
         return mode
-    from ..generator import cuda_device_count
+    from ..host import cuda_device_count
 
     engine = getattr(generator, "engine", None)
     return "process" if getattr(engine, "lends_rows", False) and cuda_device_count() > 0 else "thread"
@@ -108,19 +111,6 @@ class _Prefetch:
         self._t.join(timeout=5)
 
 
-class _Inline:
-    """The same interface as _Prefetch, reading each batch when it is asked for (no thread)."""
-
-    def __init__(self, it: Iterator):
-        self._it = it
-
-    def next(self):
-        return next(self._it, None)
-
-    def close(self) -> None:
-        pass
-
-
 def count_samples(path: str | Path) -> int | None:
     p = Path(path)
     if p.is_file():
@@ -134,7 +124,7 @@ def count_samples(path: str | Path) -> int | None:
 def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, batch_size: int = 8,
                 max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
                 queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
-                layer_id_convention: str = "upstream", writer: str = "auto", read_ahead: bool = True,
+                layer_id_convention: str = "upstream", writer: str = "auto",
                 checksum: str | None = None, shard_size: int = 1, verify_existing: bool = False,
                 **gen_kwargs) -> dict[str, Any]:
     """Extract ``input_path`` into ``output`` (module docstring). Everything that can be checked
@@ -160,7 +150,7 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
         return _run_locked(out, model, input_path, layer_ids=layer_ids, batch_size=batch_size,
                            max_samples=max_samples, fmt=fmt, on_overlength=on_overlength, queue_size=queue_size,
                            progress=progress, generator=generator, writer_threads=writer_threads,
-                           layer_id_convention=layer_id_convention, writer=writer, read_ahead=read_ahead,
+                           layer_id_convention=layer_id_convention, writer=writer,
                            shard_size=shard_size, verify_existing=verify_existing, gen_kwargs=gen_kwargs)
     finally:
         out.unlock()
@@ -174,9 +164,9 @@ def _warn_overlength(over: list[tuple[int, int]], max_len: int, action: str) -> 
 
 def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch_size, max_samples, fmt,
                 on_overlength, queue_size, progress, generator, writer_threads, layer_id_convention, writer,
-                read_ahead, shard_size, verify_existing, gen_kwargs) -> dict[str, Any]:
+                shard_size, verify_existing, gen_kwargs) -> dict[str, Any]:
     from ..checkpoint import check_checkpoint, fingerprint_checkpoint
-    from ..generator import normalize_layer_ids, read_num_layers
+    from ..layers import normalize_layer_ids, read_num_layers
 
     t0 = time.time()
     # -- before any engine: the model's files, the whole input, the output's record --------------
@@ -218,7 +208,7 @@ def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch
                      "tensor_parallel_size", None) or tp
     if to_compute and shard_size == 1 and (writer == "process" or (writer == "auto" and generator is None
                                                                     and _gpu_host())):
-        from .writer import writer_pool
+        from .procwriter import writer_pool
 
         writer_pool(writer_threads, tp)  # start the writer processes now: they import torch meanwhile
     own_generator = generator is None and to_compute > 0
@@ -257,7 +247,7 @@ def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch
                  "truncated": [], "skipped_overlength": []}
         n_seen = 0
         generate_s = put_s = read_s = 0.0
-        batches = _Prefetch(_batches(samples, batch_size)) if read_ahead else _Inline(_batches(samples, batch_size))
+        batches = _Prefetch(_batches(samples, batch_size))
         try:
             while True:
                 t_read = time.perf_counter()

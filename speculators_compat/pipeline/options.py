@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .writer import CHECKSUMS
+from .checksums import CHECKSUMS
 
 
 def _layer_ids(s: str) -> list[int]:

@@ -140,7 +140,7 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
               num_samples: int | None = None, avg_tokens: float | None = None, total_tokens: int | None = None,
               max_model_len: int = 2048, batch_size: int | None = None, queue_size: int = 2,
               max_batch_tokens: int | None = None) -> Plan:
-    from ..generator import default_layer_ids, normalize_layer_ids
+    from ..layers import default_layer_ids, normalize_layer_ids
 
     cfg_path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
     if not cfg_path.is_file():
@@ -221,7 +221,7 @@ def _detect_gpu_gib() -> float | None:
     try:
         import torch
 
-        from ..generator import cuda_device_count
+        from ..host import cuda_device_count
 
         if cuda_device_count() > 0:  # not is_available(): that would poison fork for a later engine
             return torch.cuda.get_device_properties(0).total_memory / GiB

@@ -33,22 +33,16 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from .writer import _Writer
-
-SHARD_FILE_RE = re.compile(r"^shard_(\d+)\.safetensors$")
-SHARD_TAG = "speculators-compat-shard/1"
+from .checksums import new_digest
+from .files import SHARD_TAG, atomic_write, distinct_states, read_shard_range, shard_name
+from .writers import _ChecksumLog, _Writer, default_writer_threads
 
 logger = logging.getLogger("speculators_compat.pipeline")
-
-
-def shard_name(k: int) -> str:
-    return f"shard_{k}.safetensors"
 
 
 def check_shard_size(shard_size: Any, fmt: str, writer: str) -> int:
@@ -64,45 +58,10 @@ def check_shard_size(shard_size: Any, fmt: str, writer: str) -> int:
     return shard_size
 
 
-def read_shard_range(path: Path) -> tuple[int, int, list[int]]:
-    """(first, end, indices) from a shard's metadata; OSError/ValueError when it is not one of ours."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    info = json.loads(meta.get("speculators_compat", "{}"))
-    if info.get("format") != SHARD_TAG:
-        raise ValueError(f"{path.name} is not a speculators-compat shard (metadata {meta!r})")
-    return int(info["first"]), int(info["end"]), [int(i) for i in info["indices"]]
-
-
-def done_from_shards(root: Path, shard_size: int, total: int | None) -> set[int]:
-    """Sample indices that complete shards in ``root`` cover (see the module docstring)."""
-    done: set[int] = set()
-    for p in sorted(root.iterdir()):
-        m = SHARD_FILE_RE.match(p.name)
-        if not m:
-            continue
-        k = int(m.group(1))
-        try:
-            first, end, _ = read_shard_range(p)
-        except Exception as e:  # a foreign or damaged file: computed again and replaced
-            logger.warning("shard %s is unreadable (%s): its samples are computed again", p.name, e)
-            continue
-        if first != k * shard_size or end > first + shard_size:
-            raise ValueError(f"{p.name} covers samples [{first}, {end}), which is not shard {k} of size {shard_size}")
-        if end == first + shard_size or (total is not None and end >= total):
-            done.update(range(first, end))
-        else:
-            logger.info("shard %s stops at sample %d, short of its range: it is computed again", p.name, end)
-    return done
-
-
 def shard_bytes(samples: list[tuple[int, dict]], first: int, end: int) -> bytes:
     """One shard's file contents (safetensors), from (index, sample) pairs in index order."""
     from safetensors.torch import save
 
-    from .writer import distinct_states
 
     tensors = {}
     for i, s in samples:
@@ -140,7 +99,6 @@ class ShardWriter(_Writer):
     def __init__(self, out, queue_size: int = 2, threads: int | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
-        from .writer import _ChecksumLog, default_writer_threads
 
         n = threads if threads is not None else default_writer_threads()
         if n < 1:
@@ -215,7 +173,6 @@ class ShardWriter(_Writer):
             raise
 
     def _write_shard_now(self, k: int, samples: list[tuple[int, dict]], first: int, end: int) -> None:
-        from .writer import atomic_write, new_digest
 
         data = shard_bytes(samples, first, end)
         atomic_write(self.out.root / shard_name(k), data)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .shards import SHARD_FILE_RE
-from .writer import CHECKSUMS, DATA_FILE_RE, OutputDir, file_digest
+from .checksums import CHECKSUMS, file_digest
+from .files import DATA_FILE_RE, SHARD_FILE_RE
+from .outdir import OutputDir
 
 
 def verify_output(root: str | Path) -> dict:
@@ -81,12 +82,12 @@ def _completeness(root: Path, records: list[dict], finished: bool) -> dict:
 
 def _shard_indices(root: Path, records: list[dict]) -> set[int]:
     """The sample indices the shards hold, from their safetensors metadata (read without torch)."""
-    from ..checkpoint import CheckpointError, _read_header
+    from ..checkpoint import CheckpointError, read_safetensors_header
 
     have = set()
     for rec in records:
         try:
-            raw, _ = _read_header(root / rec["file"])
+            raw, _ = read_safetensors_header(root / rec["file"])
             meta = json.loads(json.loads(raw).get("__metadata__", {}).get("speculators_compat", "{}"))
             have.update(int(i) for i in meta.get("indices", []))
         except (OSError, ValueError, CheckpointError, AttributeError):

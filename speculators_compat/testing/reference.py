@@ -74,7 +74,6 @@ def compare(results, prompts, reference: HFReference, tol: float, layer_ids=None
     Returns (worst relative error, list of Mismatch beyond ``tol``); a shape or length mismatch is
     reported with rel=inf.
     """
-    import torch
 
     layer_ids = list(layer_ids or reference.layer_ids)
     worst, bad = 0.0, []

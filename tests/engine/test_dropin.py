@@ -83,11 +83,12 @@ def test_results_survive_later_calls_and_own_their_storage(gen, llama_path, hf_r
 
 
 def test_threaded_copy_out_matches_hf(gen, llama_path, hf_ref):
-    """SPECULATORS_COMPAT_COPY_THREADS > 1: the driver copies requests out in parallel; the results
-    must still be each prompt's own rows, in input order (13 prompts, reordered and chunked).
-    Copies happen with zero-copy off (on, every prompt comes back as one lent block)."""
-    gen.engine.set_copy_threads(3)
-    gen.engine.set_zero_copy(False)
+    """Copying out on several threads (what a GPU host does: 8 there, 1 on a CPU host): the
+    results must still be each prompt's own rows, in input order (13 prompts, reordered and
+    chunked). Copies happen with zero-copy off (on, every prompt comes back as one lent block).
+    The reader's threads and lending are internal: set here on the running engine."""
+    gen.engine._reader.set_threads(3)
+    gen.engine._reader.lend = False
     try:
         res = check(gen, llama_path, models.random_prompts([700, 5, 130, 37, 1500, 17, 64, 8, 256, 50, 99, 10, 11],
                                                            seed=77), hf_ref)
@@ -96,8 +97,8 @@ def test_threaded_copy_out_matches_hf(gen, llama_path, hf_ref):
             for h in r["hidden_states"]:
                 assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
     finally:
-        gen.engine.set_copy_threads(1)
-        gen.engine.set_zero_copy(True)
+        gen.engine._reader.set_threads(1)
+        gen.engine._reader.lend = True
 
 
 def test_prompts_split_over_steps_come_back_as_one_lent_block(gen, llama_path, hf_ref):
@@ -118,15 +119,16 @@ def test_prompts_split_over_steps_come_back_as_one_lent_block(gen, llama_path, h
 
 
 def test_copy_hand_off_matches_hf(gen, llama_path, hf_ref):
-    """SPECULATORS_COMPAT_ZERO_COPY=0: every row is copied out; nothing is lent."""
-    gen.engine.set_zero_copy(False)
+    """zero_copy=False (or SPECULATORS_COMPAT_ZERO_COPY=0): every row is copied out; nothing is
+    lent. Switched on the running engine (an engine of its own would cost a start)."""
+    gen.engine._reader.lend = False
     try:
         res = check(gen, llama_path, models.random_prompts([20, 31, 9, 700, 25, 17, 30, 12, 28, 5, 22], seed=88),
                     hf_ref)
         assert gen.engine._reader.busy() == []
         del res
     finally:
-        gen.engine.set_zero_copy(True)
+        gen.engine._reader.lend = True
 
 
 def test_layer_convention_against_hf(gen, llama_path):
@@ -189,59 +191,24 @@ def test_version_floor(vllm_version):
     assert vllm_version >= Version("0.11")
 
 
-def test_driver_waits_for_replies_without_spinning(gen):
-    """vLLM's driver spins on its reply queue (a Python loop around sched_yield that holds the GIL
-    between yields) while the worker computes; the pipeline's writer threads then starve.
-    SPECULATORS_COMPAT_DRIVER_WAIT=block must leave the waiting thread idle: its CPU time over a
-    0.6 s worker call stays well below the call's length. ``spin`` (the default) is vLLM's own
-    wait, restored by switching back (this test's baseline: it spins for the whole call)."""
-    import time
-
-    ex = gen.engine.executor
-
-    def sleep_in_worker(worker, seconds):  # runs in the worker (a local function: sent by value)
-        import time
-
-        time.sleep(seconds)
-
-    def driver_cpu_during_call():
-        gen.engine._rpc_rank0_raw("compat_ping")  # a read just now: 0.18+ would spin for 1 s after it
-        t = time.thread_time()
-        ex.collective_rpc(sleep_in_worker, args=(0.6,))
-        return time.thread_time() - t
-
-    assert gen.engine.driver_wait and set(gen.engine.driver_wait) == {"spin"}, gen.engine.driver_wait
-    try:
-        how = gen.engine.set_driver_wait("block")
-        assert how and all(h.startswith("block") for h in how), how
-        blocked = driver_cpu_during_call()
-        assert set(gen.engine.set_driver_wait("spin")) == {"spin"}
-        spun = driver_cpu_during_call()
-    finally:
-        gen.engine.set_driver_wait("spin")
-    assert spun > 0.4, f"baseline: vLLM's own wait should spin (driver CPU {spun:.3f} s over 0.6 s)"
-    # (each 50 us sleep costs a wake-up: ~0.1 s of CPU over the call was seen on 2 cores)
-    assert blocked < min(0.25, spun / 2), f"driver used {blocked:.3f} s of CPU waiting 0.6 s (spinning: {spun:.3f})"
-
-
 def test_announcing_ahead_gives_the_same_states_and_surfaces_its_failure(gen, llama_path, hf_ref, vllm_version,
                                                                          monkeypatch):
     """Announcing ahead (the default from vLLM 0.12) sends each batch's announcement without
     waiting for the reply. The states must match HF and be bit-identical to waiting (13 prompts,
     chunked and reordered), and a worker that fails to take the announcement must fail that call
     with the worker's own error (not a later 'not captured'), leaving the engine usable. vLLM 0.11
-    has no ordered replies: there the default is to wait."""
+    has no ordered replies: there it waits (the path compared with here, set on the engine)."""
     eng = gen.engine
     if vllm_version < Version("0.12"):
-        assert eng.announce == "wait" and eng.set_announce("ahead") == "wait"
+        assert eng.announce == "wait"
         return
-    assert eng.announce == "ahead"  # the default
+    assert eng.announce == "ahead"
     prompts = models.random_prompts([700, 5, 130, 37, 1500, 17, 64, 8, 256, 50, 99, 10, 11], seed=77)
-    eng.set_announce("wait")
+    eng.announce = "wait"
     try:
         waited = [[h.clone() for h in r["hidden_states"]] for r in check(gen, llama_path, prompts, hf_ref)]
     finally:
-        eng.set_announce("ahead")
+        eng.announce = "ahead"
     try:
         ahead = check(gen, llama_path, prompts, hf_ref)
         assert all(torch_equal(a, b) for r, w in zip(ahead, waited) for a, b in zip(r["hidden_states"], w))
@@ -253,7 +220,7 @@ def test_announcing_ahead_gives_the_same_states_and_surfaces_its_failure(gen, ll
         monkeypatch.undo()
         check(gen, llama_path, prompts, hf_ref)
     finally:
-        eng.set_announce("ahead")
+        eng.announce = "ahead"
 
 
 def torch_equal(a, b):

@@ -14,7 +14,7 @@ import torch
 from packaging.version import Version
 
 from speculators_compat import VllmHiddenStatesGenerator
-from speculators_compat.engine.core import CaptureError
+from speculators_compat.errors import CaptureError
 from speculators_compat.testing import models, reference
 from tests.engine.test_dropin import LAYERS, TOL, check
 
@@ -283,7 +283,8 @@ def test_deepseek_v3_tensor_parallel_2(vllm_version, hf_ref, monkeypatch):
 
 
 FORK_SNIPPET = r'''
-from speculators_compat.engine.core import EngineOptions, ExtractionEngine
+from speculators_compat.engine.config import EngineOptions
+from speculators_compat.engine.core import ExtractionEngine
 from speculators_compat.testing import models, reference
 path = str(models.build("llama"))
 opts = EngineOptions(model=path, max_model_len=1024, dtype="float32", max_num_batched_tokens=256,

@@ -4,7 +4,6 @@ from packaging.version import Version
 
 import speculators_compat
 from speculators_compat import registry
-from speculators_compat.testing import models
 from tests.helpers import run_snippet
 
 
@@ -105,7 +104,7 @@ def test_request_patch_block_hasher(vllm_version):
 WORKER_SNIPPET = r'''
 import os
 import speculators_compat
-from speculators_compat.patches.vllm_request import build_request
+from speculators_compat.engine.requests import build_request
 from speculators_compat.testing import models, reference
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams

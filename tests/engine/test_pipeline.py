@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from speculators_compat.pipeline.extract import run_extract
-from speculators_compat.pipeline.writer import OutputError
+from speculators_compat.errors import OutputError
 from speculators_compat.testing import models, reference
 
 LAYERS = [1, 3, 5]
@@ -124,7 +124,7 @@ def test_process_writer_gives_the_same_dataset(gen, llama_path, tmp_path, fmt):
     make_jsonl(tmp_path / "in.jsonl", seed=3)
     threads, procs, mixed = tmp_path / "threads", tmp_path / "procs", tmp_path / "mixed"
     kw = dict(batch_size=4, generator=gen, progress=False, fmt=fmt)
-    from speculators_compat.pipeline.writer import shutdown_writer_pool
+    from speculators_compat.pipeline.procwriter import shutdown_writer_pool
 
     a = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(threads), writer="thread", **kw)
     shutdown_writer_pool()  # new processes: the run's first batches wait for them to start
@@ -260,7 +260,7 @@ def test_a_run_bound_by_its_disk_says_so(gen, llama_path, tmp_path, monkeypatch,
     own disk with tiny files must not."""
     import logging
 
-    from speculators_compat.pipeline import writer as w
+    from speculators_compat.pipeline import writers as w
 
     make_jsonl(tmp_path / "in.jsonl", lengths=[16] * 12, seed=4)
     kw = dict(batch_size=2, generator=gen, progress=False, writer="thread", writer_threads=1, queue_size=1)

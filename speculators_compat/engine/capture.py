@@ -1,0 +1,456 @@
+"""The capture itself, inside each vLLM worker: forward hooks on the decoder layers that write each
+step's kept rows (``hidden_states + residual``) into the arena, and ``take``, which hands a
+batch's rows back per request. Which rows are kept, for whom, is attribution.py's.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .arena import Arena
+from .attribution import coverage_problem, merge_adjacent, plan_rows, runner_kind, scheduler_order, step_requests, step_starts
+
+logger = logging.getLogger("speculators_compat.worker")
+def find_base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (the module with ``.layers``) inside a vLLM model.
+
+    Handles text models (``model.model``), multimodal wrappers that expose ``get_language_model()``
+    (Kimi-K2.5 in vLLM 0.16+: ``language_model.model``; 0.15: ``language_model`` is the decoder
+    itself) and a bare ``language_model`` attribute.
+    """
+    candidates = []
+    lm = None
+    if hasattr(model, "get_language_model"):
+        try:
+            lm = model.get_language_model()
+        except (AttributeError, NotImplementedError) as e:  # some wrappers raise until configured
+            logger.debug("get_language_model() failed on %s: %s", type(model).__name__, e)
+    for root in (lm, getattr(model, "language_model", None), model):
+        if root is None:
+            continue
+        candidates.append(getattr(root, "model", None))
+        candidates.append(root)
+    for c in candidates:
+        if isinstance(c, torch.nn.Module) and isinstance(getattr(c, "layers", None), torch.nn.ModuleList):
+            return c
+    raise RuntimeError(
+        f"speculators_compat: cannot find the decoder layers of {type(model).__name__}: none of "
+        "model.model, model.get_language_model()(.model) or model.language_model(.model) has a "
+        "`.layers` ModuleList. This architecture is not supported for hidden-state capture."
+    )
+
+
+def _layer_output(output: Any) -> torch.Tensor:
+    """The residual stream after a decoder layer: ``hidden_states + residual`` (pre final norm)."""
+    if isinstance(output, tuple):
+        hidden = output[0]
+        residual = output[1] if len(output) > 1 else None
+        if isinstance(residual, torch.Tensor):
+            return hidden + residual
+        return hidden
+    return output
+
+
+@dataclass
+class _Segment:
+    start: int
+    layers: list  # per captured layer (in layer_ids order): (buffer index, byte offset, rows)
+
+
+@dataclass
+class _CaptureState:
+    layer_ids: list[int]
+    handles: list = field(default_factory=list)
+    expected: dict = field(default_factory=dict)  # req_id -> prompt length
+    order: dict = field(default_factory=dict)  # req_id -> announcement serial (the arena's order)
+    serial: int = 0
+    segments: dict = field(default_factory=dict)  # req_id -> list[_Segment]
+    scheduler_output: Any = None
+    runner_kind: str = "v1"  # "v1": runner.input_batch; "v2": the step's batch from prepare_inputs
+    step_batch: Any = None  # Model Runner V2: the InputBatch prepare_inputs built for this step
+    layout: Any = None  # (req_ids, counts, starts) of the current forward (positions checked)
+    plan: Any = None  # this forward's kept rows: (source rows: slice | index tensor, [(rid, start, n, row)])
+    rows: dict = field(default_factory=dict)  # layer id -> (buffer, offset) or tensor (record_all)
+    record_order: Any = None  # record_all under V2: step rows -> scheduler order (index), None: as run
+    arena: Any = None
+    hidden: int = 0
+    dtype: Any = None
+    pending_event: Any = None
+    copy_stream: Any = None  # GPU: side stream for device->host copies into the pinned arena
+    record_all: bool = False
+    all_rows: list = field(default_factory=list)
+    steps: int = 0
+    tokens: int = 0
+    t_hooks: float = 0.0  # seconds inside capture hooks (device->host copies issued/done)
+    t_take: float = 0.0  # seconds assembling and handing off in take()
+    t_expect: float = 0.0  # seconds in compat_capture_expect (readying the arena for a batch)
+    nonfinite: list = field(default_factory=list)  # device flags: did a step's layer hold NaN/Inf?
+    regions: dict = field(default_factory=dict)  # req_id -> {layer id: (buffer, byte offset)} of its prompt
+    region_row_bytes: int = 0  # the row size those regions were sized with
+
+
+def install_capture(worker, layer_ids: list[int], record_all: bool = False,
+                    handoff_prefix: str | None = None) -> dict:
+    """Install forward hooks for ``layer_ids`` (absolute decoder-layer indices) on ``worker``.
+
+    ``record_all`` keeps every forward's rows in step order (upstream's worker contract) instead
+    of per announced request. ``handoff_prefix``: path prefix of the /dev/shm arena files (None:
+    rows travel back pickled).
+    """
+    old = getattr(worker, "_compat_capture", None)
+    if old is not None:
+        for h in old.handles:
+            h.remove()
+        if old.arena is not None:
+            old.arena.close()
+        worker._compat_capture = None
+    runner = worker.model_runner
+    model = runner.model
+    base = find_base_model(model)
+    n = len(base.layers)
+    bad = [i for i in layer_ids if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"layer ids {bad} out of range: the model has {n} decoder layers (0..{n - 1})")
+    info = {"num_layers": n, "base_model": type(base).__name__, "model": type(model).__name__,
+            "capturing": False, "runner": type(runner).__name__}
+    local = _moe_local_experts(model)
+    if local is not None:  # on this rank: all experts under plain TP, a share under expert parallelism
+        info["moe_local_experts"] = local
+    kind = runner_kind(runner)
+    info["runner_kind"] = kind
+    if not _is_capture_rank():
+        return info
+    st = _CaptureState(layer_ids=list(layer_ids), record_all=record_all, runner_kind=kind)
+    mc = getattr(runner, "model_config", None)
+    if mc is not None:
+        st.hidden, st.dtype = int(mc.get_hidden_size()), mc.dtype
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    st.arena = Arena(handoff_prefix, pin=on_gpu)
+    worker._compat_capture = st
+    _wrap_runner(runner, st)
+    # vLLM's @support_torch_compile replaces the decoder stack's __call__, so hooks on the stack
+    # itself never fire; its layers are plain modules. The first layer's pre-hook reads the step
+    # layout; once the last captured layer ran, the rows are split by request.
+    first = getattr(base, "start_layer", 0)
+    st.handles.append(base.layers[first].register_forward_pre_hook(_make_pre_forward(runner, st),
+                                                                   with_kwargs=True))
+    distribute = _make_distribute(st)
+    for lid in sorted(set(layer_ids)):
+        st.handles.append(base.layers[lid].register_forward_hook(_make_layer_hook(st, lid, distribute)))
+    info["capturing"] = True
+    info["handoff"] = "shm" if handoff_prefix else "rpc"
+    return info
+
+
+def _moe_local_experts(model) -> int | None:
+    """Routed experts held on this rank by the first fused-MoE layer, read from its expert weights
+    (``w13_weight``, or ``w13_weight_packed`` when quantized: dim 0 is the local expert count in
+    the 0.11, 0.12, 0.16, 0.17 and 0.32 sources); None for a dense model."""
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf.startswith("w13_weight") and p.dim() >= 2:
+            return int(p.shape[0])
+    return None
+
+
+def _wrap_runner(runner, st: _CaptureState) -> None:
+    # Record the SchedulerOutput of each step: it tells how many tokens each request has in it.
+    # Model Runner V2 also: the step's InputBatch (the order of its requests).
+    runner._compat_state = st
+    if getattr(runner, "_compat_wrapped", False):
+        return
+    orig = runner.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        cur = runner._compat_state
+        # a V2 dummy run (profiling, warm-up) takes a made-up SchedulerOutput: nothing to capture
+        cur.scheduler_output = None if kwargs.get("dummy_run") else scheduler_output
+        cur.step_batch = None
+        try:
+            return orig(scheduler_output, *args, **kwargs)
+        finally:
+            cur.scheduler_output = None
+            cur.step_batch = None
+
+    execute_model.__wrapped__ = orig  # type: ignore[attr-defined]
+    runner.execute_model = execute_model
+    if st.runner_kind == "v2":
+        orig_prepare = runner.prepare_inputs
+
+        def prepare_inputs(*args, **kwargs):
+            batch = orig_prepare(*args, **kwargs)
+            runner._compat_state.step_batch = batch
+            return batch
+
+        prepare_inputs.__wrapped__ = orig_prepare  # type: ignore[attr-defined]
+        runner.prepare_inputs = prepare_inputs
+    runner._compat_wrapped = True
+
+
+def _make_pre_forward(runner, st: _CaptureState):
+    def pre_forward(module, args, kwargs):
+        st.layout = None
+        st.plan = None
+        st.rows = {}
+        so = st.scheduler_output
+        if so is None or not (st.expected or st.record_all):
+            return None  # warm-up / profiling / dummy run, or nothing to capture
+        step = step_requests(runner, st, so)
+        if step is None:
+            return None
+        req_ids, counts, computed = step
+        positions = kwargs.get("positions")  # decoder layers: forward(positions, hidden_states, ...)
+        if positions is None and args:
+            positions = args[0]
+        if isinstance(positions, torch.Tensor) and positions.dim() == 1 and sum(counts):
+            starts = step_starts(positions, counts, req_ids)
+        else:  # M-RoPE style positions: fall back to the runner's computed-token counts
+            if computed is None:
+                raise RuntimeError("speculators_compat: the step has no 1-D positions and the runner's "
+                                   "input batch no computed-token counts: rows cannot be placed")
+            starts = [computed(i) for i in range(len(req_ids))]
+        st.layout = (req_ids, counts, starts)
+        device = positions.device if isinstance(positions, torch.Tensor) else None
+        if st.record_all:
+            st.record_order = scheduler_order(req_ids, counts, so, device) if st.runner_kind == "v2" else None
+        else:
+            st.plan = plan_rows(st, req_ids, counts, starts, device)
+        return None
+
+    return pre_forward
+
+
+def _make_distribute(st: _CaptureState):
+    def distribute():
+        st.steps += 1
+        if st.record_all:
+            st.all_rows.append([st.rows[lid] for lid in sorted(set(st.layer_ids))])
+        elif st.plan is not None:
+            _, kept = st.plan
+            for i, (rid, start, n, _row) in enumerate(kept):
+                layers = [(*st.rows[lid][i], n) for lid in st.layer_ids]  # where _store_rows put them
+                st.segments.setdefault(rid, []).append(_Segment(start, layers))
+                st.tokens += n
+        st.rows = {}
+        st.layout = None
+        st.plan = None
+
+    return distribute
+
+
+def take_captures(worker, req_ids: list[str], want_data: bool = True) -> dict:
+    """Captures for ``req_ids``: {"states": {rid: [per layer]}, "errors": {rid: msg}, "arena": ...}.
+
+    With a /dev/shm arena each layer is a list of (file, byte offset, rows) blocks in position
+    order, for the driver to copy out; otherwise each layer is a tensor (pickled over the RPC).
+    Forgets the requests afterwards (``want_data=False``: only that). Only the capturing rank
+    returns data.
+    """
+    st = getattr(worker, "_compat_capture", None)
+    if st is None:
+        return {"states": {}, "errors": {}, "rank_captures": False}
+    t0 = time.perf_counter()
+    try:
+        return _take(st, req_ids, want_data)
+    finally:
+        st.t_take += time.perf_counter() - t0
+
+
+def _take(st, req_ids, want_data):
+    _sync(st)
+    flagged = bool(torch.stack(st.nonfinite).any()) if st.nonfinite else False
+    st.nonfinite = []
+    arena = st.arena
+    states, errors = {}, {}
+    for rid in req_ids:
+        plen = st.expected.pop(rid, None)
+        st.order.pop(rid, None)
+        st.regions.pop(rid, None)
+        segs = sorted(st.segments.pop(rid, []), key=lambda s: s.start)
+        if not want_data:
+            continue
+        if plen is None:
+            errors[rid] = "request was never announced to the worker"
+            continue
+        problem = coverage_problem([(s.start, s.layers[0][2]) for s in segs], plen)
+        if problem is not None:
+            errors[rid] = problem + " (prefix-cache hit, aborted request or lost step?)"
+            continue
+        if flagged:  # slow path, only when some row somewhere was not finite
+            bad = [st.layer_ids[j] for j in range(len(st.layer_ids))
+                   if not all(bool(torch.isfinite(arena.view(b, o, n, st.hidden, st.dtype)).all())
+                              for b, o, n in (s.layers[j] for s in segs))]
+            if bad:
+                errors[rid] = f"NaN/Inf hidden states in layer(s) {bad}"
+                continue
+        row_bytes = st.hidden * st.dtype.itemsize
+        blocks = [merge_adjacent([s.layers[j] for s in segs], row_bytes) for j in range(len(st.layer_ids))]
+        if arena.prefix is not None:
+            states[rid] = [[(arena.path(b), o, n) for b, o, n in layer] for layer in blocks]
+        else:
+            states[rid] = [_gather(arena, layer, st.hidden, st.dtype) for layer in blocks]
+    return {"states": states, "errors": errors, "rank_captures": True, "slabs": arena.paths(),
+            "hidden": st.hidden, "dtype": str(st.dtype).replace("torch.", "")}
+
+
+def _gather(arena, blocks, hidden, dtype) -> torch.Tensor:
+    views = [arena.view(b, o, n, hidden, dtype) for b, o, n in blocks]
+    return views[0].clone() if len(views) == 1 else torch.cat(views, dim=0)
+
+
+def take_all_rows(worker):
+    """Upstream's contract: one tensor per (sorted) layer, all rows since the last reset, step order."""
+    st = getattr(worker, "_compat_capture", None)
+    if st is None or not st.all_rows:
+        return None
+    _sync(st)
+    out = [torch.cat([step[j] for step in st.all_rows], dim=0) for j in range(len(st.all_rows[0]))]
+    st.all_rows = []
+    st.nonfinite = []  # upstream's contract has no NaN check; don't let the flags pile up
+    return out
+
+
+def _sync(st: _CaptureState) -> None:
+    if st.pending_event is not None:
+        st.pending_event.synchronize()
+        st.pending_event = None
+
+
+def _make_layer_hook(st: _CaptureState, lid: int, distribute):
+    n_layers = len(set(st.layer_ids))
+
+    def hook(module, args, output):
+        if st.layout is None:
+            return None
+        t0 = time.perf_counter()
+        if st.record_all:
+            st.rows[lid] = _record_rows(st, output)
+        elif st.plan is not None:
+            st.rows[lid] = _store_rows(st, output, lid)
+        if len(st.rows) == n_layers or (st.plan is None and not st.record_all):  # step done, or nothing to keep
+            distribute()
+        st.t_hooks += time.perf_counter() - t0
+        return None
+
+    return hook
+
+
+def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int]]:
+    """Write this forward's kept rows of layer ``lid`` into the arena; returns (buffer, byte
+    offset) for each kept entry of the plan, in its order.
+
+    Rows go to their requests' regions (one copy per run of entries adjacent both in the step and
+    in the arena); a step with an entry that has none (its rows' size differs from the one the
+    regions were sized with, or no region was made) goes into one fresh block, as one copy."""
+    source, kept = st.plan
+    rows = kept[-1][3] + kept[-1][2]
+    if isinstance(output, tuple):
+        hidden, residual = output[0], (output[1] if len(output) > 1 else None)
+        if not isinstance(residual, torch.Tensor):
+            residual = None
+    else:
+        hidden, residual = output, None
+    pick = (lambda t: t[source]) if isinstance(source, slice) else (lambda t: t.index_select(0, source))
+    h = pick(hidden.detach())
+    if st.dtype is None or h.shape[-1] != st.hidden or h.dtype != st.dtype:  # first capture defines them
+        st.hidden, st.dtype = int(h.shape[-1]), h.dtype
+    row_bytes = st.hidden * h.element_size()
+    places = [st.regions.get(rid, {}).get(lid) for rid, _, _, _ in kept]
+    if row_bytes == st.region_row_bytes and all(p is not None for p in places):
+        dests = [(b, off + start * row_bytes) for (b, off), (_, start, _, _) in zip(places, kept)]
+    else:
+        b, off = st.arena.alloc(rows * row_bytes)
+        dests = [(b, off + row * row_bytes) for _, _, _, row in kept]
+    runs = []  # [buffer, byte offset, first source row, rows]: entries contiguous in both
+    for (b, off), (_, _, n, row) in zip(dests, kept):
+        last = runs[-1] if runs else None
+        if last and last[0] == b and last[1] + last[3] * row_bytes == off and last[2] + last[3] == row:
+            last[3] += n
+        else:
+            runs.append([b, off, row, n])
+    if h.device.type == "cpu":
+        # one pass: the residual stream (hidden + residual) lands in the arena directly
+        res = pick(residual.detach()) if residual is not None else None
+        for b, off, row, n in runs:
+            dst = st.arena.view(b, off, n, st.hidden, st.dtype)
+            if res is not None:
+                torch.add(h[row:row + n], res[row:row + n], out=dst)
+            else:
+                dst.copy_(h[row:row + n])
+            st.nonfinite.append(_nonfinite_flag(dst))
+    else:
+        if residual is not None:
+            val = h + pick(residual.detach())
+        elif isinstance(source, slice):  # a view of the layer output, which later layers may
+            val = h.clone()              # update in place while the copy below is in flight
+        else:
+            val = h  # index_select made it
+        # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
+        st.nonfinite.append(_nonfinite_flag(val))
+        for b, off, row, n in runs:
+            dst = st.arena.view(b, off, n, st.hidden, st.dtype)
+            if st.arena.pinned(b):  # pinned (page-locked) arena: an asynchronous DMA
+                _copy_on_side_stream(st, dst, val[row:row + n])
+            else:
+                dst.copy_(val[row:row + n])
+    return dests
+
+
+def _copy_on_side_stream(st: _CaptureState, dst: torch.Tensor, val: torch.Tensor) -> None:
+    """Device->host DMA of ``val`` on a side stream, so the forward's next kernels do not queue
+    behind it (on the compute stream they held a measurable share of a batch up: docs/benchmarks.md).
+    The side stream waits for ``val`` to be computed; ``record_stream`` keeps
+    its memory from being reused until the copy is done; take() waits for the last copy."""
+    main = torch.cuda.current_stream(val.device)
+    if st.copy_stream is None:
+        st.copy_stream = torch.cuda.Stream(device=val.device)
+    side = st.copy_stream
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        dst.copy_(val, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    val.record_stream(side)
+    st.pending_event = ev
+
+
+def _nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool: might ``t`` hold NaN/Inf? One float32 sum, no boolean mask: any NaN or Inf makes
+    the sum non-finite, so nothing is missed; a finite sum that overflows (|values| ~1e38) only sends
+    take() down its exact per-request check."""
+    return ~torch.isfinite(t.sum(dtype=torch.float32))
+
+
+def _record_rows(st: _CaptureState, output: Any) -> torch.Tensor:
+    """All rows of this forward as a host tensor of its own (upstream's record-everything contract)."""
+    total = sum(st.layout[1])
+    out = _layer_output(output)[:total].detach()
+    if st.record_order is not None:
+        out = out.index_select(0, st.record_order)  # a new tensor, in the scheduler's order
+    st.nonfinite.append(~torch.isfinite(out).all())
+    if out.device.type == "cpu":
+        # hidden + residual is a fresh tensor; a bare layer output may be updated in place later
+        return out.clone() if out.data_ptr() == _first_ptr(output) else out
+    host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)  # an asynchronous copy, waited for in take
+    host.copy_(out, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    st.pending_event = ev
+    return host
+
+
+def _first_ptr(output: Any) -> int:
+    t = output[0] if isinstance(output, tuple) else output
+    return t.data_ptr() if isinstance(t, torch.Tensor) else -1
+
+
+def _is_capture_rank() -> bool:
+    try:
+        from vllm.distributed import get_pp_group, get_tp_group
+    except ImportError:  # pragma: no cover - only outside vLLM
+        return True
+    return get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank

@@ -1,0 +1,164 @@
+"""The engine's configuration: what a generator asks for (``EngineOptions``) and the VllmConfig
+built from it with vLLM's own ``EngineArgs(...).create_engine_config()``, which fills every
+version's required fields. Extraction needs prefix caching off (a cache hit skips computing the
+cached positions, whose states would then never be captured), worker processes (the same path
+at TP=1 and TP>1), the V1 model runner where vLLM still has it, and our worker extension.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("speculators_compat.engine")
+WORKER_EXTENSION = "speculators_compat.engine.worker.CaptureExtension"
+
+
+ASYNC_CHOICES = ("disable", "keep")
+
+
+def resolve_async(strategy: str | None) -> str:
+    """``keep`` (None: vLLM's own choice of async scheduling) or ``disable``."""
+    s = "keep" if strategy is None else strategy
+    if s not in ASYNC_CHOICES:
+        raise ValueError(f"async_scheduling must be one of {ASYNC_CHOICES} or None, not {s!r}")
+    return s
+
+
+@dataclass
+class EngineOptions:
+    model: str
+    tokenizer: str | None = None
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.8
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    quantization: str | None = None
+    trust_remote_code: bool = False
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_expert_parallel: bool = False
+    async_scheduling: str | None = None  # "disable" | "keep" (None: keep, vLLM's own choice)
+    seed: int = 0
+    enforce_eager: bool = True
+    #: "fork" | "spawn" | None (spawn on CUDA hosts: see choose_start_method; elsewhere vLLM's choice, CPU: spawn)
+    worker_start_method: str | None = None
+    #: hand captured rows to the caller as tensors over the /dev/shm arena (None: SPECULATORS_COMPAT_ZERO_COPY)
+    zero_copy: bool | None = None
+    engine_kwargs: dict = field(default_factory=dict)  # passed through to EngineArgs
+
+
+def check_sizes(opts: EngineOptions) -> None:
+    """Refuse sizes vLLM would take silently or only fail on later: ``max_num_seqs=0`` and
+    ``max_num_batched_tokens=0`` ran as if unset (vLLM 0.32), and ``max_model_len=1`` started the
+    engine only for every prompt to be cut to nothing (one position is kept back, as upstream does)."""
+    def bad(v, least: int) -> bool:
+        return isinstance(v, bool) or not isinstance(v, int) or v < least
+
+    if bad(opts.tensor_parallel_size, 1):
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, not {opts.tensor_parallel_size!r}")
+    if opts.max_model_len is not None and bad(opts.max_model_len, 2):
+        raise ValueError(f"max_model_len must be an integer >= 2 (prompts keep at most max_model_len - 1 "
+                         f"tokens) or None for the model's own, not {opts.max_model_len!r}")
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        v = getattr(opts, name)
+        if v is not None and bad(v, 1):
+            raise ValueError(f"{name} must be an integer >= 1 or None for vLLM's default, not {v!r}")
+
+
+def build_vllm_config(opts: EngineOptions):
+    """A VllmConfig for extraction, from vLLM's own EngineArgs (stable in every version)."""
+    _pin_v1_runner()
+    from vllm.engine.arg_utils import EngineArgs
+
+    from . import facts as facts_mod
+
+    check_sizes(opts)
+    strategy = resolve_async(opts.async_scheduling)
+    kw: dict[str, Any] = dict(
+        model=opts.model,
+        tokenizer=opts.tokenizer or opts.model,
+        trust_remote_code=opts.trust_remote_code,
+        dtype=opts.dtype,
+        max_model_len=opts.max_model_len,
+        enforce_eager=opts.enforce_eager,
+        tensor_parallel_size=opts.tensor_parallel_size,
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+        worker_extension_cls=WORKER_EXTENSION,
+        # Worker processes (as upstream's MultiprocExecutor): the same path for TP=1 and TP>1, and
+        # a worker crash cannot take the driver down. (0.12-0.17 would pick in-process "uni".)
+        distributed_executor_backend="mp",
+        # A prefix-cache hit skips computing the cached positions: they would never be captured.
+        enable_prefix_caching=False,
+        seed=opts.seed,
+        enable_expert_parallel=opts.enable_expert_parallel,
+    )
+    if opts.quantization:
+        kw["quantization"] = opts.quantization
+    if opts.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = opts.max_num_batched_tokens
+    if opts.max_num_seqs:
+        kw["max_num_seqs"] = opts.max_num_seqs
+    if strategy == "disable":
+        kw["async_scheduling"] = False
+    if facts_mod.probe().engine_args_language_model_only:
+        # Extraction feeds token ids only. For a multimodal wrapper (Kimi-K2.5) this leaves the
+        # vision tower unbuilt and unprofiled (vLLM 0.17+; a no-op for text models).
+        kw["language_model_only"] = True
+    kw.update(opts.engine_kwargs)
+    if kw.get("pipeline_parallel_size", 1) != 1:
+        raise ValueError("pipeline parallelism is not supported for capture (layers would be split "
+                         "across ranks); use tensor parallelism")
+    if kw.get("enable_prefix_caching"):
+        raise ValueError("enable_prefix_caching=True would skip computing cached prefixes, whose "
+                         "hidden states then could not be captured")
+    return EngineArgs(**kw).create_engine_config()
+
+
+def _pin_v1_runner() -> None:
+    """Run the V1 model runner where vLLM still has it (0.11-0.33): the runner every release of the
+    matrix is tested with. Model Runner V2 (opt-in there, default for some models from 0.24 on GPU)
+    is what 0.34+ has only; capture reads its per-step input batch instead (worker.runner_kind).
+    A user who sets VLLM_USE_V2_MODEL_RUNNER=1 on a release that has both gets V2, said in the log."""
+    from . import facts as facts_mod
+
+    facts = facts_mod.probe()
+    v = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if not facts.has_v1_runner:
+        if v is not None and v.strip().lower() in ("0", "false"):
+            raise RuntimeError(
+                f"VLLM_USE_V2_MODEL_RUNNER={v} asks for the V1 model runner, which vLLM {facts.version} "
+                "no longer has (removed in 0.34). Unset it: capture works with Model Runner V2.")
+        return
+    if v not in (None, "", "0", "false", "False"):
+        logger.info("speculators_compat: VLLM_USE_V2_MODEL_RUNNER=%s: capturing with Model Runner V2 "
+                    "(the tests run vLLM 0.11-0.33 with the V1 runner, which is pinned when it is unset)", v)
+        return
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def choose_start_method(requested: str | None, cuda_devices: int, environ) -> str | None:
+    """How vLLM should start the workers: ``requested`` if given; else ``spawn`` on a CUDA host unless
+    ``VLLM_WORKER_MULTIPROC_METHOD`` is set; else None (vLLM's own choice).
+
+    On a CUDA host vLLM forks unless it sees CUDA initialised, but a driver that has queried CUDA
+    without initialising it can no longer fork workers that use it: they die at start-up
+    ("Cannot re-initialize CUDA in forked subprocess"). Seen on the H200 (vLLM 0.20) with
+    speculators 0.3.0's class + the import on Kimi-K2.5, after importing speculators; spawned
+    workers started there. The script needs the usual ``if __name__ == "__main__":`` guard."""
+    if requested is not None:
+        if requested not in ("fork", "spawn"):
+            raise ValueError(f"worker_start_method must be 'fork' or 'spawn', not {requested!r}")
+        return requested
+    if cuda_devices > 0 and not environ.get("VLLM_WORKER_MULTIPROC_METHOD"):
+        return "spawn"
+    return None
+
+
+# Upstream 0.3.0's engine settings, kept for the patched class (prefill-only workload).
+# upstream 0.3.0's engine settings, kept for the patched class (a prefill-only workload)
+UPSTREAM_MAX_NUM_SEQS = 32
+
+
+UPSTREAM_MIN_BATCHED_TOKENS = 8192

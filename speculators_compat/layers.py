@@ -1,0 +1,83 @@
+"""Decoder layer ids: how many layers a checkpoint has (from its config.json, no torch), upstream's
+default ids, and the two conventions.
+
+  * ``"upstream"`` (default, speculators 0.3.0): id ``L`` is the output of decoder layer ``L``
+    (0-based), residual included, *before* the final norm. ``L = n-1`` is the last layer's
+    output before the norm (HF's ``hidden_states[-1]`` is after the norm, so it differs).
+    For L < n-1 it equals HF ``output_hidden_states[L + 1]``.
+  * ``"eagle3"`` (vLLM's native EAGLE-3 / ``extract_hidden_states`` ids): id ``i`` is the output of
+    ``i`` decoder layers, i.e. upstream id ``i - 1``; ``i = n`` is the last layer. Id 0 (the
+    embeddings) is not captured.
+
+Upstream's default ids are ``[2, n//2, n-3, n-1]`` (Kimi-K2.5, n=61: ``[2, 30, 58, 60]``), which are
+vLLM native ``[3, 31, 59, 61]``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from numbers import Integral
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+
+def read_num_layers(model_path: str, trust_remote_code: bool = False) -> int:
+    """Decoder layer count from config.json (``num_hidden_layers``, or ``text_config``'s for VLMs)."""
+    cfg_file = Path(model_path) / "config.json"
+    cfg: Any
+    if cfg_file.is_file():
+        cfg = json.loads(cfg_file.read_text())
+        get = cfg.get
+        text = cfg.get("text_config") or {}
+        tget = text.get
+    else:
+        looks_local = model_path.startswith(("/", "./", "../", "~")) or model_path.count("/") != 1
+        if looks_local or os.path.isdir(model_path):
+            what = "has no config.json" if os.path.isdir(model_path) else "does not exist"
+            raise FileNotFoundError(f"model path {model_path!r} {what}")
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        get = lambda k, d=None: getattr(c, k, d)  # noqa: E731
+        t = getattr(c, "text_config", None)
+        tget = (lambda k, d=None: getattr(t, k, d)) if t is not None else (lambda k, d=None: d)  # noqa: E731
+    n = get("num_hidden_layers") or tget("num_hidden_layers")
+    if not n:
+        raise ValueError(f"cannot determine the number of decoder layers of {model_path} "
+                         "(no num_hidden_layers in its config or text_config)")
+    return int(n)
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3, num_layers - 1]
+
+
+def normalize_layer_ids(layer_ids: Sequence[int] | None, num_layers: int, convention: str = "upstream",
+                        allow_duplicates: bool = False) -> list[int]:
+    """Validate ids and convert them to upstream's convention (output of decoder layer L)."""
+    if convention not in ("upstream", "eagle3"):
+        raise ValueError(f"layer_id_convention must be 'upstream' or 'eagle3', not {convention!r}")
+    if layer_ids is None:
+        return default_layer_ids(num_layers)
+    if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Iterable):
+        raise TypeError(f"layer_ids must be a list of integers, not {type(layer_ids).__name__}")
+    ids = list(layer_ids)
+    if not ids:
+        raise ValueError("layer_ids is empty: give at least one decoder layer id")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, Integral):
+            raise TypeError(f"layer ids must be integers, got {i!r} ({type(i).__name__})")
+    ids = [int(i) for i in ids]  # numpy / torch integers become plain ints
+    if not allow_duplicates and len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(f"duplicate layer ids {dup}")
+    if convention == "eagle3":
+        bad = [i for i in ids if not 1 <= i <= num_layers]
+        if bad:
+            raise ValueError(f"eagle3 layer ids {bad} out of range [1, {num_layers}] (id 0, the "
+                             "embeddings, is not captured)")
+        return [i - 1 for i in ids]
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"Layer index {bad[0]} out of bounds [0, {num_layers - 1}]")
+    return ids

@@ -1,0 +1,306 @@
+"""The output directory: what it holds, who writes it, and what a resume may trust.
+
+    OUT/data_{i}.pt ...       the samples (files.py)
+    OUT/run.json              what this output is: model, layer ids, input, settings, and the
+                              fingerprints of the model's files and of the input; a rerun with other
+                              settings or changed files is refused instead of mixing data
+    OUT/checksums.jsonl       one line per finished file: index, name, checksum, bytes, tokens, write time
+    OUT/manifest.json         written when a run finishes: counts and every file's checksum, by index
+    OUT/runs.jsonl            each run's summary (timings)
+    OUT/.lock                 held (flock) by the run writing the directory
+
+A rerun keeps the checksum algorithm it finds unless told otherwise (the manifest then rehashes the
+earlier files, so it never mixes algorithms).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from ..errors import OutputError
+from .checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum, file_digest
+from .files import DATA_FILE_RE, SHARD_FILE_RE, atomic_write, done_from_shards, file_name, shard_name
+
+logger = logging.getLogger("speculators_compat.pipeline")
+
+
+
+
+class OutputDir:
+    def __init__(self, root: str | Path, fmt: str = "pt", checksum: str | None = None, shard_size: int = 1):
+        """``checksum``: see CHECKSUMS; None: the one an earlier run used here, else DEFAULT_CHECKSUM.
+        ``shard_size`` > 1: safetensors shards of that many samples (pipeline/shards.py)."""
+        self.root = Path(root)
+        self.fmt = fmt
+        self.checksum = check_checksum(checksum)
+        self.shard_size = shard_size
+        self._lock_fd: int | None = None
+
+    #: run settings a resume may change (run.json keeps the first run's), and what changing them means
+    RESUMABLE_CHANGES = {
+        "batch_size": "the samples computed now share steps with other neighbours, so their states may "
+                      "differ in the last bits from an uninterrupted run's (vLLM is not batch-invariant); "
+                      "they are as right (a lower --batch-size is the way out of a memory error)"}
+    #: run.json keys that describe the latest run rather than the dataset: rewritten, never compared
+    LATEST = ("samples", "skipped_overlength", "input_scan")
+    #: files written within this many seconds of an earlier run's last file are checksummed on
+    #: resume: what a crash or a power cut can hurt (the kernel writes dirty pages back within ~30 s)
+    RECENT_S = 60.0
+
+    # -- the lock ---------------------------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Create the directory and hold ``.lock`` in it (flock) for this process's lifetime or until
+        ``unlock()``: a second extract into the same output is refused, naming the first. Also
+        proves the directory writable before anything else happens."""
+        import fcntl
+        import socket
+        import time
+
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create output directory {self.root}: {e.strerror}") from e
+        path = self.root / ".lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise OutputError(f"output directory {self.root} is not writable: {e.strerror}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise OutputError(f"{self.root} is being written by another extract ({holder}): wait for it to "
+                              "finish, or use another --output") from None
+        info = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, info.encode(), 0)
+        except OSError as e:
+            os.close(fd)
+            raise OutputError(f"output directory {self.root} is not writable: {e.strerror}") from e
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lock_fd, 0)
+            os.close(self._lock_fd)  # (closing releases the flock)
+            self._lock_fd = None
+
+    # -- what this output is ------------------------------------------------------------------------
+
+    def recorded(self) -> dict:
+        """run.json as the last run left it ({} if there is none or it is unreadable)."""
+        try:
+            return json.loads((self.root / "run.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def prepare(self, run_info: dict, total: int | None = None, fingerprints: dict | None = None,
+                latest: dict | None = None, verify_existing: bool = False) -> set[int]:
+        """Create/validate the directory; drop partial and damaged files; return indices already
+        complete (``total``: the samples this run reads, if known; it decides whether a short last
+        shard is done). ``fingerprints``: {"model": ..., "input": ...} of what the states depend on;
+        a resume whose fingerprints differ from the recorded ones is refused, naming what changed
+        (paths may change when the files are the same). ``latest``: run.json keys of LATEST.
+        ``verify_existing``: checksum every finished file, not only those a crash may have hurt."""
+        if self._lock_fd is None:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise OutputError(f"cannot create output directory {self.root}: {e.strerror}") from e
+        if not os.access(self.root, os.W_OK):
+            raise OutputError(f"output directory {self.root} is not writable")
+        run_file = self.root / "run.json"
+        if run_file.exists():
+            try:
+                old = json.loads(run_file.read_text())
+            except ValueError as e:
+                raise OutputError(f"{run_file}: unreadable ({e}); is {self.root} an extract output?") from None
+            record = self._compare(old, run_info, fingerprints)
+        else:
+            foreign = sorted(p.name for p in self.root.iterdir() if not p.name.startswith("."))
+            if foreign:
+                raise OutputError(f"{self.root} is not empty ({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}) "
+                                  "and holds no run.json, so it is no extract output: use a new or empty --output")
+            record = dict(run_info, **({"fingerprints": fingerprints} if fingerprints else {}))
+        record.update(latest or {})
+        atomic_write(run_file, json.dumps(record, indent=2, sort_keys=True).encode())
+        if self.checksum is None:
+            earlier = next(iter(self.checksum_records().values()), None)  # an earlier run's choice
+            self.checksum = (next((k for k in CHECKSUMS if k in earlier), "none") if earlier
+                             else DEFAULT_CHECKSUM)
+        for pattern in (".data_*.partial", ".shard_*.partial"):
+            for p in self.root.glob(pattern):
+                logger.info("removing partial file %s from an interrupted run", p.name)
+                p.unlink()
+        manifest = self.root / "manifest.json"
+        records = self.checksum_records()
+        last = max((r.get("mtime_ns", 0) for r in records.values()), default=0)
+        # a run that finished made its files durable (finalize) and then wrote the manifest: only a
+        # run that did not finish leaves recent files that a crash may have hurt
+        finished = manifest.exists() and manifest.stat().st_mtime_ns >= last
+        self.check_existing(verify_existing, recent=not finished)
+        manifest.unlink(missing_ok=True)  # (this run writes it when it finishes: till then the dataset is incomplete)
+        if self.shard_size > 1:
+            return done_from_shards(self.root, self.shard_size, total)
+        done = set()
+        for p in self.root.iterdir():
+            m = DATA_FILE_RE.match(p.name)
+            if m and m.group(2) == self.fmt:
+                done.add(int(m.group(1)))
+        return done
+
+    def confirm(self, engine_info: dict) -> None:
+        """After the engine started: what only the engine knows (the dtype it chose for "auto") must
+        match what run.json recorded; a first run records it."""
+        run_file = self.root / "run.json"
+        old = json.loads(run_file.read_text())
+        diff = {k: (old[k], v) for k, v in engine_info.items() if k in old and old[k] != v}
+        if diff:
+            detail = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+            raise OutputError(f"{self.root} holds a different run ({detail}); use a new --output")
+        if any(k not in old for k in engine_info):
+            atomic_write(run_file, json.dumps({**old, **engine_info}, indent=2, sort_keys=True).encode())
+
+    def _compare(self, old: dict, run_info: dict, fingerprints: dict | None) -> dict:
+        """run.json to keep after comparing the recorded run with this one (OutputError if they differ)."""
+        from ..checkpoint import describe_model_change
+        from .dataset import describe_input_change
+
+        old_fp = old.get("fingerprints") or {}
+        same_files = {k for k in ("model", "input")
+                      if fingerprints and k in old_fp and old_fp[k] == fingerprints.get(k)}
+        diff = {k: (old.get(k), v) for k, v in run_info.items()
+                if k in old and old.get(k) != v and k not in same_files}
+        # a first run that stopped before its engine started has no dtype yet: not a difference
+        diff.update({k: (None, v) for k, v in run_info.items() if k not in old and k != "dtype"})
+        for k in [k for k in diff if k in self.RESUMABLE_CHANGES]:
+            a, b = diff.pop(k)
+            logger.warning("resuming %s with %s %r (the run that made it used %r): %s", self.root, k, b, a,
+                           self.RESUMABLE_CHANGES[k])
+        for k in same_files:
+            if old.get(k) != run_info.get(k):
+                logger.warning("resuming %s with the %s at %s (the run that made it read %s): the same files, "
+                               "by their fingerprint", self.root, k, run_info.get(k), old.get(k))
+        changes = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()]
+        if fingerprints:
+            if not old_fp:
+                logger.warning("%s was made without fingerprints of its model and input: whether they changed "
+                               "since cannot be checked; recording them now", self.root)
+            for k, describe in (("model", describe_model_change), ("input", describe_input_change)):
+                if k in old_fp and k in fingerprints and old_fp[k] != fingerprints[k]:
+                    changes += [f"{k} {run_info.get(k)}: {c}" for c in describe(old_fp[k], fingerprints[k])]
+        if changes:
+            raise OutputError(f"{self.root} holds a different run ({'; '.join(changes)}); resuming would mix "
+                              "states of two runs in one dataset: use a new --output")
+        keep = {k: v for k, v in old.items() if k not in self.LATEST}
+        keep.update({k: v for k, v in run_info.items() if k not in keep})
+        if fingerprints:
+            keep["fingerprints"] = {**fingerprints, **{k: v for k, v in old_fp.items() if k in fingerprints}}
+            keep["model"], keep["input"] = run_info.get("model", old.get("model")), run_info.get("input", old.get("input"))
+        return keep
+
+    # -- the files already written -------------------------------------------------------------------
+
+    def check_existing(self, verify_all: bool = False, recent: bool = True) -> list[str]:
+        """Remove the finished files a resume must not trust, so that they are computed again, and
+        return their names (each one logged with the reason): a file with no checksums.jsonl record
+        (a crash between its rename and its record), one whose size differs from its record, one
+        changed since it was written (its modification time differs) whose checksum no longer
+        matches, and one written in the last RECENT_S seconds of the run before (with ``recent``:
+        that run did not finish), or with ``verify_all`` any, whose checksum does not match."""
+        pattern = SHARD_FILE_RE if self.shard_size > 1 else DATA_FILE_RE
+        files = [p for p in self.root.iterdir() if pattern.match(p.name)
+                 and (self.shard_size > 1 or DATA_FILE_RE.match(p.name).group(2) == self.fmt)]
+        if not files:
+            return []
+        by_name = {r["file"]: r for r in self.checksum_records().values()}
+        last = max((r.get("mtime_ns", 0) for r in by_name.values()), default=0)
+        bad: list[tuple[Path, str]] = []
+        for p in files:
+            rec = by_name.get(p.name)
+            st = p.stat()
+            if rec is None:
+                bad.append((p, "no record in checksums.jsonl (written as the run before was stopped?)"))
+                continue
+            if st.st_size != rec.get("bytes"):
+                bad.append((p, f"{st.st_size:,} bytes where {rec.get('bytes'):,} were written"))
+                continue
+            changed = "mtime_ns" in rec and st.st_mtime_ns != rec["mtime_ns"]
+            tail = recent and "mtime_ns" in rec and rec["mtime_ns"] >= last - int(self.RECENT_S * 1e9)
+            algo = next((k for k in CHECKSUMS if rec.get(k)), None)
+            if algo and (verify_all or changed or tail) and file_digest(p, algo) != rec[algo]:
+                bad.append((p, f"its {algo} differs from the one recorded when it was written"
+                               + (" (the file was modified since)" if changed else "")))
+        for p, why in bad:
+            logger.warning("%s: %s; computing it again", p.name, why)
+            p.unlink()
+        return [p.name for p, _ in bad]
+
+    def checksum_records(self) -> dict[int, dict]:
+        """index -> the checksums.jsonl record of each finished file (a torn line is skipped)."""
+        out: dict[int, dict] = {}
+        f = self.root / "checksums.jsonl"
+        if f.exists():
+            for line in f.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a crash (finalize rehashes that file)
+                out[rec["index"]] = rec
+        return out
+
+    def finalize(self, n_samples: int, extra: dict) -> dict:
+        """Write manifest.json over every complete file (rehashing any missing checksum, e.g. of
+        files an earlier run wrote with another algorithm)."""
+        sums = self.checksum_records()
+        files = []
+        for i in range(0, n_samples, self.shard_size):
+            name = file_name(i, self.fmt) if self.shard_size == 1 else shard_name(i // self.shard_size)
+            p = self.root / name
+            if not p.exists():
+                continue
+            rec = sums.get(i)
+            algo = self.checksum or DEFAULT_CHECKSUM
+            if rec is None or rec.get("bytes") != p.stat().st_size or (algo != "none" and not rec.get(algo)):
+                rec = {"index": i, "file": name, "bytes": p.stat().st_size,
+                       "tokens": rec.get("tokens") if rec else None,
+                       **({"samples": rec["samples"]} if rec and "samples" in rec else {})}
+                if algo != "none":
+                    rec[algo] = file_digest(p, algo)
+            # (a write time is the run's, not the dataset's: the manifest of a resumed dataset is
+            # byte-identical to an uninterrupted one's)
+            rec = {k: v for k, v in rec.items() if (k not in CHECKSUMS or k == algo) and k != "mtime_ns"}
+            files.append(rec)
+        sync_filesystem(self.root)  # the files are durable before the manifest says the dataset is complete
+        manifest = dict(extra)
+        if self.shard_size > 1:
+            manifest["shard_size"] = self.shard_size
+        manifest.update({"format": self.fmt, "checksum": self.checksum or DEFAULT_CHECKSUM, "num_files": len(files),
+                         "total_bytes": sum(f["bytes"] for f in files),
+                         "total_tokens": sum(f["tokens"] or 0 for f in files), "files": files})
+        atomic_write(self.root / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
+        return manifest
+
+
+def sync_filesystem(path: Path) -> None:
+    """Write back the filesystem holding ``path`` (Linux syncfs; elsewhere sync)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if libc.syncfs(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass  # (no syncfs here: the portable call below does it for every filesystem)
+    os.sync()
