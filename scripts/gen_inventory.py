@@ -10,7 +10,7 @@ sys.path.insert(0, str(ROOT))
 def render() -> str:
     from speculators_compat.engine.internals import INTERNALS
     from speculators_compat.pipeline.ptfile import TORCH_INTERNALS
-    from speculators_compat.registry import all_patches
+    from speculators_compat.patches import all_patches
 
     out = ["# Inventory: every vLLM / speculators / transformers / torch internal we touch",
            "",

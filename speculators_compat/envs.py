@@ -1,20 +1,20 @@
 """Every environment variable speculators-compat reads, declared once: name, choices, default and
 what it does. The README's settings table is generated from here (``python -m
 speculators_compat.envs``) and a test checks that it matches. Stdlib only: ``hooks`` reads
-``SPECULATORS_COMPAT_DISABLE`` at import time.
+``SPECULATORS_COMPAT_DISABLE`` when ``speculators_compat`` is imported.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
 class Setting:
-    name: str
-    default: str
-    choices: tuple[str, ...] | None  # None: any value (a path)
-    doc: str
+    """One variable: its name, default, the values it takes (None: any, e.g. a path) and what it does."""
+
+    __slots__ = ("name", "default", "choices", "doc")
+
+    def __init__(self, name: str, default: str, choices: tuple[str, ...] | None, doc: str):
+        self.name, self.default, self.choices, self.doc = name, default, choices, doc
 
     def get(self) -> str:
         """The value in force: the environment's (stripped; empty means unset) or the default. A

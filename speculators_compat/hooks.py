@@ -1,48 +1,112 @@
 """Post-import hooks: patches apply when their target is imported (or at once if it already was).
 
-``install()`` is what ``import speculators_compat`` and the vLLM plugin call; it imports neither
-vLLM nor torch. ``SPECULATORS_COMPAT_DISABLE=1`` turns everything off.
+``install()`` is what ``import speculators_compat`` and the vLLM plugin call. It imports neither
+vLLM nor torch, and nothing else outside the standard library's core: a finder on ``sys.meta_path``
+watches the modules the patches target (``TRIGGERS``), and only when one of them has been imported
+(vLLM, speculators or transformers, which are heavy anyway) does the registry load, with wrapt
+(which does the wrapping) and packaging (version checks). ``SPECULATORS_COMPAT_DISABLE=1`` turns
+everything off.
 """
 from __future__ import annotations
 
-import logging
-import os
+import _thread
 import sys
-import threading
-import warnings
 
-import wrapt
+from . import envs
 
-from . import versions
-
-logger = logging.getLogger("speculators_compat")
 DISABLE_ENV = "SPECULATORS_COMPAT_DISABLE"
 
-_lock = threading.RLock()
-_hooks_registered = False
+#: every patch's target module (``Patch.module``); a unit test keeps this equal to the registry's
+TRIGGERS = frozenset({
+    "transformers",
+    "transformers.configuration_utils",
+    "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.core.sched.scheduler",
+    "speculators.data_generation.vllm_hidden_states_generator",
+    "speculators.data_generation.custom_worker",
+})
+
+_lock = _thread.RLock()
+_finder = None
 _enabled = False
 _warned_untested = False
 
 
 def disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return envs.enabled(DISABLE_ENV)
+    except ValueError as e:  # a value it does not know: said, and the patches stay on
+        import warnings
+
+        warnings.warn(f"speculators_compat: {e}; the patches stay enabled", RuntimeWarning, stacklevel=2)
+        return False
 
 
-def _on_import_factory(patch):
-    def _on_import(module):
-        if _enabled:
-            _warn_if_untested(patch)
-            patch.on_import(module)
+class _Loader:
+    """The real loader of a watched module, with the patches' callbacks run once it has executed."""
 
-    return _on_import
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec) if hasattr(self._loader, "create_module") else None
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _imported(module.__name__, module)
+
+    def __getattr__(self, name):  # (resource readers, get_source, ... of the real loader)
+        return getattr(self._loader, name)
+
+
+class _Finder:
+    """On ``sys.meta_path``: for a watched module, asks the other finders for its spec and wraps its
+    loader; every other import is left alone (returns None at once)."""
+
+    def __init__(self):
+        self._busy: set[str] = set()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in TRIGGERS or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._busy.discard(fullname)
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+def _imported(name: str, module) -> None:
+    if not _enabled:
+        return
+    from .patches import all_patches
+
+    for p in all_patches():
+        if p.module == name:
+            _warn_if_untested(p)
+            p.on_import(module)
 
 
 def _warn_if_untested(patch) -> None:
     global _warned_untested
     if patch.package != "vllm" or _warned_untested:
         return
+    from . import versions
+
     tested = versions.vllm_is_tested()
     if tested is False:
+        import warnings
+
         _warned_untested = True
         warnings.warn(
             f"speculators_compat: vLLM {versions.installed('vllm')} is newer than the tested range "
@@ -52,34 +116,30 @@ def _warn_if_untested(patch) -> None:
 
 
 def install() -> bool:
-    """Enable the patches and register their post-import hooks (idempotent). False if disabled."""
-    global _hooks_registered, _enabled
+    """Enable the patches and watch their target modules (idempotent); each target already imported
+    is patched now. False if disabled."""
+    global _finder, _enabled
     if disabled_by_env():
         return False
-    from .registry import all_patches
-
     with _lock:
         _enabled = True
-        if not _hooks_registered:
-            for p in all_patches():
-                wrapt.register_post_import_hook(_on_import_factory(p), p.module)
-            _hooks_registered = True
-        else:  # re-patch after unpatch(): hooks exist, apply to what is already imported
-            for p in all_patches():
-                mod = sys.modules.get(p.module)
-                if mod is not None:
-                    _warn_if_untested(p)
-                    p.on_import(mod)
+        if _finder is None:
+            _finder = _Finder()
+            sys.meta_path.insert(0, _finder)
+        for name in sorted(TRIGGERS & set(sys.modules)):  # (parents first: sorted names)
+            _imported(name, sys.modules[name])
     return True
 
 
 def uninstall() -> None:
     """Revert every applied patch (originals restored) and stop applying on future imports."""
     global _enabled
-    from .registry import all_patches
-
     with _lock:
         _enabled = False
+        if "speculators_compat.registry" not in sys.modules:
+            return  # nothing was ever applied
+        from .patches import all_patches
+
         for p in reversed(all_patches()):
             p.revert()
 

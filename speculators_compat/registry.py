@@ -29,6 +29,11 @@ logger = logging.getLogger("speculators_compat")
 _lock = threading.RLock()
 
 
+#: the one attribute that marks what speculators_compat put in place (a wrapper, a module hook, a
+#: shim module), holding the name of the patch that did; ``_self_`` keeps it on a wrapt wrapper itself
+SENTINEL = "_self_speculators_compat"
+
+
 class PatchTargetError(RuntimeError):
     """A patch's target is missing or changed shape: says which patch, which version, what it found."""
 
@@ -79,9 +84,19 @@ class Patch:
         own = vars(owner) if isinstance(owner, type) else {}
         raw = own.get(attr, original) if isinstance(owner, type) else original
         fw = wrapt.FunctionWrapper(raw, wrapper)
-        fw._self_speculators_compat = self.name  # type: ignore[attr-defined]
+        setattr(fw, SENTINEL, self.name)
         setattr(owner, attr, fw)
         self._originals.append((owner, attr, raw if attr in own or not isinstance(owner, type) else None, fw))
+
+    def replace_methods(self, cls: type, replacements: dict) -> None:
+        """Put ``fn(instance, *args, **kwargs)`` in place of each ``cls.<name>`` of ``replacements``
+        (wrapped, so unpatch restores the originals)."""
+        for attr, fn in replacements.items():
+            def wrapper(wrapped, instance, args, kwargs, fn=fn):
+                return fn(instance, *args, **kwargs)
+
+            wrapper.__name__ = fn.__name__
+            self.wrap(cls, attr, wrapper)
 
     def _unwrap_all(self) -> None:
         for owner, attr, raw, fw in reversed(self._originals):
@@ -156,10 +171,5 @@ class Patch:
 
 def is_ours(obj: Any) -> str | None:
     """Name of the patch that wrapped ``obj``, if any."""
-    return getattr(obj, "_self_speculators_compat", None)
+    return getattr(obj, SENTINEL, None)
 
-
-def all_patches() -> list[Patch]:
-    from .patches import PATCHES
-
-    return PATCHES

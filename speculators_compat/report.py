@@ -6,7 +6,7 @@ from . import hooks, versions
 
 
 def build_status(probe_engine: bool = False) -> dict:
-    from .registry import all_patches
+    from .patches import all_patches
 
     st = {
         "speculators_compat": __import__("speculators_compat").__version__,

@@ -19,7 +19,7 @@ from speculators_compat.patches.transformers_compat import (  # noqa: E402
 @pytest.mark.parametrize("past,window,pad", [(0, None, False), (3, None, True), (0, 4, False), (2, 3, True)])
 def test_shim_equals_transformers(past, window, pad):
     mod = pytest.importorskip(_SHIM)
-    if getattr(mod, "_speculators_compat_shim", False):
+    if getattr(mod, "_self_speculators_compat", None):
         pytest.skip("this transformers has no modeling_attn_mask_utils (our shim stands in): nothing to compare")
     real = mod._prepare_4d_causal_attention_mask
     bsz, q = 2, 7
@@ -50,4 +50,4 @@ def test_patch_installs_module_when_missing(monkeypatch):
         assert f is prepare_4d_causal_attention_mask
     finally:
         p.revert()
-    assert getattr(sys.modules.get(_SHIM), "_speculators_compat_shim", False) is False
+    assert getattr(sys.modules.get(_SHIM), "_self_speculators_compat", None) is None

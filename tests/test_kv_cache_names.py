@@ -154,11 +154,11 @@ def test_the_real_module_where_vllm_is_installed():
     """With vLLM installed: applied exactly when its kv_cache_utils lacks the helpers."""
     pytest.importorskip("vllm")
     import speculators_compat
-    from speculators_compat import registry
+    from speculators_compat import patches
 
     speculators_compat.patch()
     mod = importlib.import_module("vllm.v1.core.kv_cache_utils")
-    p = next(x for x in registry.all_patches() if x.name == "vllm_kv_cache_names")
+    p = next(x for x in patches.all_patches() if x.name == "vllm_kv_cache_names")
     lacks = [n for n in MOVED if n not in vars(mod)]
     assert p.is_applied() == bool(lacks), p.state.reason
     for n in MOVED:

@@ -8,7 +8,7 @@ import types
 import pytest
 import wrapt
 
-from speculators_compat import hooks, registry, versions
+from speculators_compat import hooks, patches, registry, versions
 from speculators_compat.registry import Patch
 
 
@@ -125,7 +125,10 @@ def test_broken_probe_is_reported(fake, caplog):
 
 
 def test_post_import_hook_applies_when_target_imported_later(tmp_path, monkeypatch):
-    """A real import through wrapt's post-import hook machinery."""
+    """A real import through the hooks' finder on sys.meta_path (installed by importing
+    speculators_compat): the module executes first, then its patch applies."""
+    from speculators_compat import patches
+
     monkeypatch.setattr(versions, "installed", lambda p: "1.5.0" if p == "sc_fake_pkg" else None)
     (tmp_path / "sc_fake_late.py").write_text(
         "class Thing:\n    def method(self, x):\n        return x + 1\n\ndef func(x):\n    return x * 2\n")
@@ -136,12 +139,15 @@ def test_post_import_hook_applies_when_target_imported_later(tmp_path, monkeypat
 
     p = LatePatch()
     monkeypatch.setattr(hooks, "_enabled", True)
-    wrapt.register_post_import_hook(hooks._on_import_factory(p), "sc_fake_late")
+    monkeypatch.setattr(hooks, "TRIGGERS", hooks.TRIGGERS | {"sc_fake_late"})
+    monkeypatch.setattr(patches, "all_patches", lambda: [p])
+    assert hooks._finder in sys.meta_path
     assert not p.is_applied()
     import sc_fake_late  # noqa: F401
 
     try:
         assert p.is_applied() and sc_fake_late.func(2) == -4
+        assert sc_fake_late.__spec__.loader.get_filename("sc_fake_late").endswith("sc_fake_late.py")  # (delegated)
     finally:
         p.revert()
         sys.modules.pop("sc_fake_late", None)
@@ -164,7 +170,7 @@ def test_untested_future_vllm_warns_once(monkeypatch):
 
 
 def test_every_registered_patch_declares_itself():
-    for p in registry.all_patches():
+    for p in patches.all_patches():
         r = p.report()
         for key in ("name", "module", "targets", "package", "versions", "risk", "test", "description"):
             assert r[key], f"patch {p.name} does not declare {key}"

@@ -158,10 +158,18 @@ def _moe_local_experts(model) -> int | None:
 
 
 def _wrap_runner(runner, st: _CaptureState) -> None:
-    # Record the SchedulerOutput of each step: it tells how many tokens each request has in it.
-    # Model Runner V2 also: the step's InputBatch (the order of its requests).
+    """Record each step's SchedulerOutput (how many tokens each request has in it) and, under Model
+    Runner V2, the step's InputBatch (the order of its requests), on this runner instance.
+
+    Not a registry patch: it wraps one object of our own engine (the model runner inside a worker
+    that runs our extension), not a module-level target that other code shares, so there is
+    nothing process-wide to apply on import or to restore on ``unpatch()``; it lives as long as
+    that worker. It is marked with the registry's sentinel like every wrapper we put in place,
+    and installing capture again reuses it."""
+    from ..registry import SENTINEL
+
     runner._compat_state = st
-    if getattr(runner, "_compat_wrapped", False):
+    if getattr(runner.execute_model, SENTINEL, None) == "capture":
         return
     orig = runner.execute_model
 
@@ -177,6 +185,7 @@ def _wrap_runner(runner, st: _CaptureState) -> None:
             cur.step_batch = None
 
     execute_model.__wrapped__ = orig  # type: ignore[attr-defined]
+    setattr(execute_model, SENTINEL, "capture")
     runner.execute_model = execute_model
     if st.runner_kind == "v2":
         orig_prepare = runner.prepare_inputs
@@ -187,8 +196,8 @@ def _wrap_runner(runner, st: _CaptureState) -> None:
             return batch
 
         prepare_inputs.__wrapped__ = orig_prepare  # type: ignore[attr-defined]
+        setattr(prepare_inputs, SENTINEL, "capture")
         runner.prepare_inputs = prepare_inputs
-    runner._compat_wrapped = True
 
 
 def _make_pre_forward(runner, st: _CaptureState):

@@ -14,4 +14,11 @@ PATCHES = [
     SpeculatorsWorkerPatch(),
 ]
 
-__all__ = ["PATCHES"]
+
+
+def all_patches() -> list:
+    """Every registered patch, in application order."""
+    return PATCHES
+
+
+__all__ = ["PATCHES", "all_patches"]

@@ -120,14 +120,4 @@ class SpeculatorsGeneratorPatch(Patch):
         return "upstream's hand-driven engine loop is broken on vLLM >= 0.12 and misattributes rows"
 
     def _apply(self, module):
-        cls = module.VllmHiddenStatesGenerator
-        for attr, fn in _REPLACEMENTS.items():
-            self.wrap(cls, attr, _replacement(fn))
-
-
-def _replacement(fn):
-    def wrapper(wrapped, instance, args, kwargs):
-        return fn(instance, *args, **kwargs)
-
-    wrapper.__name__ = fn.__name__
-    return wrapper
+        self.replace_methods(module.VllmHiddenStatesGenerator, _REPLACEMENTS)

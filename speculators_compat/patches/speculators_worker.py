@@ -63,14 +63,4 @@ class SpeculatorsWorkerPatch(Patch):
         return "upstream's patched decoder forward breaks on vLLM >= 0.12 and on DeepSeek/Kimi"
 
     def _apply(self, module):
-        cls = module.HiddenStatesWorkerExtension
-
-        for attr, fn in _REPLACEMENTS.items():
-            self.wrap(cls, attr, _replacement(fn))
-
-
-def _replacement(fn):
-    def wrapper(wrapped, instance, args, kwargs):
-        return fn(instance, *args, **kwargs)
-
-    return wrapper
+        self.replace_methods(module.HiddenStatesWorkerExtension, _REPLACEMENTS)

@@ -17,7 +17,7 @@ import importlib.util
 import sys
 import types
 
-from ..registry import Patch, PatchTargetError
+from ..registry import SENTINEL, Patch, PatchTargetError, is_ours
 
 _SHIM = "transformers.modeling_attn_mask_utils"
 
@@ -90,7 +90,7 @@ class AttnMaskUtilsPatch(Patch):
 
     def needed(self, module):
         present = sys.modules.get(_SHIM)
-        if present is not None and not getattr(present, "_speculators_compat_shim", False):
+        if present is not None and not is_ours(present):
             return None
         if present is None and importlib.util.find_spec(_SHIM) is not None:
             return None
@@ -100,13 +100,13 @@ class AttnMaskUtilsPatch(Patch):
         shim = types.ModuleType(_SHIM, "speculators_compat shim for the removed transformers module")
         shim.__spec__ = importlib.machinery.ModuleSpec(_SHIM, None)  # so find_spec() works on it
         shim._prepare_4d_causal_attention_mask = prepare_4d_causal_attention_mask
-        shim._speculators_compat_shim = True
+        setattr(shim, SENTINEL, self.name)
         sys.modules[_SHIM] = shim
         module.modeling_attn_mask_utils = shim
 
     def _revert(self, module):
         shim = sys.modules.get(_SHIM)
-        if getattr(shim, "_speculators_compat_shim", False):
+        if is_ours(shim) == self.name:
             del sys.modules[_SHIM]
             if module is not None and getattr(module, "modeling_attn_mask_utils", None) is shim:
                 delattr(module, "modeling_attn_mask_utils")

@@ -24,7 +24,7 @@ import logging
 
 from .. import versions
 from ..engine.facts import module_exists
-from ..registry import Patch, PatchTargetError
+from ..registry import SENTINEL, Patch, PatchTargetError, is_ours
 
 logger = logging.getLogger("speculators_compat")
 
@@ -91,8 +91,8 @@ class KVCacheNamesPatch(Patch):
                 return previous(attr)
             raise AttributeError(f"module {module.__name__!r} has no attribute {attr!r}")
 
-        __getattr__._speculators_compat = self.name  # type: ignore[attr-defined]
-        __getattr__._speculators_compat_previous = previous  # type: ignore[attr-defined]
+        setattr(__getattr__, SENTINEL, self.name)
+        self._previous = previous
         module.__getattr__ = __getattr__
         self._target = module
 
@@ -102,12 +102,12 @@ class KVCacheNamesPatch(Patch):
         if module is None:
             return
         current = vars(module).get("__getattr__")
-        if getattr(current, "_speculators_compat", None) != self.name:
+        if is_ours(current) != self.name:
             if current is not None:
                 logger.warning("patch %s: %s.__getattr__ was replaced by someone else; leaving it",
                                self.name, module.__name__)
             return
-        previous = current._speculators_compat_previous
+        previous, self._previous = getattr(self, "_previous", None), None
         if previous is None:
             del module.__getattr__
         else:

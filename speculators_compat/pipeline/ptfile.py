@@ -28,13 +28,14 @@ from __future__ import annotations
 import ctypes
 import io
 import logging
-import os
 import pickle
 import struct
 import threading
 import zlib
 from collections import OrderedDict
 from typing import Any
+
+from .. import envs
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -341,16 +342,12 @@ def encoder() -> Encoder | None:
 
 
 MODE_ENV = "SPECULATORS_COMPAT_PT_WRITER"
-MODES = ("direct", "torch")
 
 
 def mode() -> str:
     """How ``data_{i}.pt`` files are made: ``direct`` (this encoder where it matches torch.save; the
-    default) or ``torch`` (always torch.save). Env SPECULATORS_COMPAT_PT_WRITER, read per file."""
-    raw = os.environ.get(MODE_ENV, "").strip().lower() or "direct"
-    if raw not in MODES:
-        raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, not {raw!r}")
-    return raw
+    default) or ``torch`` (always torch.save). Read per file (envs.py)."""
+    return envs.get(MODE_ENV)
 
 
 def encode(sample: dict) -> list | None:

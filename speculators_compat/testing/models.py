@@ -13,8 +13,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .. import envs
+
 VOCAB = 1024
-CACHE = Path(os.environ.get("SPECULATORS_COMPAT_CACHE", Path.home() / ".cache" / "speculators-compat"))
+CACHE = Path(os.path.expanduser(envs.get("SPECULATORS_COMPAT_CACHE")))
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=6,

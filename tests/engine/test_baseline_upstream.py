@@ -70,7 +70,7 @@ def expectation(version):
         # speculators 0.3.0 cannot even be imported: which error comes first depends on transformers
         name = "transformers.modeling_attn_mask_utils"
         mod = sys.modules.get(name)
-        if getattr(mod, "_speculators_compat_shim", False) or (mod is None and importlib.util.find_spec(name) is None):
+        if getattr(mod, "_self_speculators_compat", None) or (mod is None and importlib.util.find_spec(name) is None):
             # transformers itself lacks the module (e.g. 5.24); in this process our shim stands in
             return "import", "No module named 'transformers.modeling_attn_mask_utils'"
         return "import", "name 'torch' is not defined"  # e.g. 5.17-5.19

@@ -3,12 +3,12 @@ import pytest
 from packaging.version import Version
 
 import speculators_compat
-from speculators_compat import registry
+from speculators_compat import patches, registry
 from tests.helpers import run_snippet
 
 
 def _patch(name):
-    return next(p for p in registry.all_patches() if p.name == name)
+    return next(p for p in patches.all_patches() if p.name == name)
 
 
 # ---------------------------------------------------------------- vllm_request (eos part, 0.17+)
@@ -188,8 +188,8 @@ emit(out)
 KV_NAMES_SNIPPET = r'''
 import speculators_compat
 import vllm.v1.core.kv_cache_utils as kvu  # the patch's trigger module
-from speculators_compat import registry
-p = next(x for x in registry.all_patches() if x.name == "vllm_kv_cache_names")
+from speculators_compat import patches, registry
+p = next(x for x in patches.all_patches() if x.name == "vllm_kv_cache_names")
 out = {"applied": p.is_applied(), "reason": p.state.reason}
 if REVERT:
     p.revert()
@@ -244,7 +244,7 @@ def test_real_patches_unpatch_restores_identity_and_repatch():
         assert registry.is_ours(sched_mod.Scheduler.__init__) is None
         if gen_mod:
             assert vars(gen_mod.VllmHiddenStatesGenerator)["generate"] is gen_wrapped.__wrapped__
-        assert not any(x.is_applied() for x in registry.all_patches())
+        assert not any(x.is_applied() for x in patches.all_patches())
     finally:
         speculators_compat.patch()
         speculators_compat.patch()  # twice: still one layer
