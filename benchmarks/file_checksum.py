@@ -7,6 +7,7 @@ the default) against hashing every byte again (the baseline), alternating, same 
 Prints CPU ms per file (this thread: user + kernel) for each, the median over --reps rounds, and
 the ratio on its last line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,11 @@ def main(argv=None) -> int:
     from speculators_compat.pipeline import files as writer
 
     g = torch.Generator().manual_seed(0)
-    sample = {"input_ids": torch.randint(0, 32000, (a.rows,), generator=g),
-              "hidden_states": [torch.randn(a.rows, a.hidden, generator=g).bfloat16() for _ in range(a.layers)],
-              "loss_mask": torch.ones(a.rows, dtype=torch.long)}
+    sample = {
+        "input_ids": torch.randint(0, 32000, (a.rows,), generator=g),
+        "hidden_states": [torch.randn(a.rows, a.hidden, generator=g).bfloat16() for _ in range(a.layers)],
+        "loss_mask": torch.ones(a.rows, dtype=torch.long),
+    }
     root = Path(tempfile.mkdtemp(prefix="crc-bench-", dir=a.dir))
     combined = crc.of_parts
 
@@ -68,9 +71,20 @@ def main(argv=None) -> int:
     ratio = statistics.median(cpu["records' CRCs combined"]) / statistics.median(cpu["every byte hashed again"])
     print(f"ratio combined/rehash = {ratio:.3f}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": a.rows, "hidden": a.hidden, "layers": a.layers, "mb": mb,
-                                            "dir": a.dir or tempfile.gettempdir(), "cpu_ms": cpu,
-                                            "ratio": ratio}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "rows": a.rows,
+                    "hidden": a.hidden,
+                    "layers": a.layers,
+                    "mb": mb,
+                    "dir": a.dir or tempfile.gettempdir(),
+                    "cpu_ms": cpu,
+                    "ratio": ratio,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

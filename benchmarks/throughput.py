@@ -19,6 +19,7 @@ for both engines. On CPU the two engines run one after the other (``--sequential
 engine's workers still poll), in the order raw, ours, raw, ours...
     python benchmarks/throughput.py --model llama --batch 64 --seq 128
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,28 +69,53 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama", help="tiny model name (llama, llama-100m, llama-1b) or a path")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--batches", type=int, default=4, help="batches per timed run (the pipeline's writes overlap the next)")
+    ap.add_argument(
+        "--batches", type=int, default=4, help="batches per timed run (the pipeline's writes overlap the next)"
+    )
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--seq-mixed", default=None, help="LO,HI: each prompt's length drawn (seeded) from LO..HI "
-                    "instead of --seq, so engine steps split prompts as with a real dataset")
+    ap.add_argument(
+        "--seq-mixed",
+        default=None,
+        help="LO,HI: each prompt's length drawn (seeded) from LO..HI "
+        "instead of --seq, so engine steps split prompts as with a real dataset",
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     ap.add_argument("--layers", default=None, help="comma-separated layer ids (default: upstream's 4)")
-    ap.add_argument("--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)")
+    ap.add_argument(
+        "--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)"
+    )
     ap.add_argument("--writer-modes", default="auto", help="e.g. 'thread,process': the pipeline's writer")
-    ap.add_argument("--pt-writers", default=None, help="e.g. 'direct,torch': how data_{i}.pt files are made "
-                    "(SPECULATORS_COMPAT_PT_WRITER: the direct encoder, the default, or torch.save)")
-    ap.add_argument("--checksums", default="crc32", help="e.g. 'crc32,sha256': the pipeline's file checksum "
-                    "(crc32 is the pipeline's default)")
+    ap.add_argument(
+        "--pt-writers",
+        default=None,
+        help="e.g. 'direct,torch': how data_{i}.pt files are made "
+        "(SPECULATORS_COMPAT_PT_WRITER: the direct encoder, the default, or torch.save)",
+    )
+    ap.add_argument(
+        "--checksums",
+        default="crc32",
+        help="e.g. 'crc32,sha256': the pipeline's file checksum (crc32 is the pipeline's default)",
+    )
     ap.add_argument("--formats", default="pt", help="e.g. 'pt,safetensors': the pipeline's output format")
-    ap.add_argument("--shard-sizes", default="1", help="e.g. '1,64': samples per file (> 1: safetensors shards, "
-                    "timed with --formats safetensors only)")
-    ap.add_argument("--out-dir", default=None, help="where the pipeline writes (default: a temp dir; e.g. /dev/shm "
-                    "to take the disk out of the measurement)")
-    ap.add_argument("--out-dirs", default=None, help="e.g. '/tmp,/dev/shm': time the pipeline writing to each, "
-                    "alternated in one run (overrides --out-dir for the pipeline's output)")
+    ap.add_argument(
+        "--shard-sizes",
+        default="1",
+        help="e.g. '1,64': samples per file (> 1: safetensors shards, timed with --formats safetensors only)",
+    )
+    ap.add_argument(
+        "--out-dir",
+        default=None,
+        help="where the pipeline writes (default: a temp dir; e.g. /dev/shm to take the disk out of the measurement)",
+    )
+    ap.add_argument(
+        "--out-dirs",
+        default=None,
+        help="e.g. '/tmp,/dev/shm': time the pipeline writing to each, "
+        "alternated in one run (overrides --out-dir for the pipeline's output)",
+    )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write the figures here too")
     a = ap.parse_args(argv)
@@ -120,10 +146,14 @@ def main(argv=None) -> int:
     else:
         lengths = [a.seq] * (a.batch * a.batches)
     prompts = models.random_prompts(lengths, seed=7)
-    batches = [prompts[i:i + a.batch] for i in range(0, len(prompts), a.batch)]
+    batches = [prompts[i : i + a.batch] for i in range(0, len(prompts), a.batch)]
     tokens = sum(lengths)
-    common = dict(max_model_len=max(2048, max(lengths) + 8), dtype=a.dtype, max_num_batched_tokens=a.max_num_batched_tokens,
-                  gpu_memory_utilization=a.gpu_memory_utilization)
+    common = dict(
+        max_model_len=max(2048, max(lengths) + 8),
+        dtype=a.dtype,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+    )
     times: dict[str, list[float]] = {}
     tmp = tempfile.mkdtemp(prefix="sc-bench-", dir=a.out_dir)
     out_dirs = a.out_dirs.split(",") if a.out_dirs else [None]  # None: under tmp
@@ -132,8 +162,10 @@ def main(argv=None) -> int:
     # bytes, rename (the pipeline's own write_parts), in CPU time of the writing thread
     sample_bytes = _sample_bytes(path, lengths, getattr(torch, a.dtype).itemsize, a.layers)
     file_cost = {d or (a.out_dir or tempfile.gettempdir()): _file_cost_us(out_roots[d], sample_bytes) for d in out_dirs}
-    print("filesystem cost per file (create + write + rename, CPU us; one sample = "
-          f"{sample_bytes:,} B):", json.dumps(file_cost))
+    print(
+        f"filesystem cost per file (create + write + rename, CPU us; one sample = {sample_bytes:,} B):",
+        json.dumps(file_cost),
+    )
     jsonl = os.path.join(tmp, "in.jsonl")
     with open(jsonl, "w") as f:
         for p in prompts:
@@ -142,18 +174,27 @@ def main(argv=None) -> int:
     def make_raw():
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=path, enforce_eager=True, enable_prefix_caching=False, seed=0,
-                  distributed_executor_backend="mp", **common)
+        llm = LLM(
+            model=path,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            seed=0,
+            distributed_executor_backend="mp",
+            **common,
+        )
         sp = SamplingParams(max_tokens=1, temperature=0.0)
         reqs = [[{"prompt_token_ids": p} for p in b] for b in batches]
         return llm, (lambda: [llm.generate(r, sp, use_tqdm=False) for r in reqs])
 
     def make_ours():
-        gen = VllmHiddenStatesGenerator(path, layer_ids=[int(x) for x in a.layers.split(",")] if a.layers else None,
-                                        **common)
+        gen = VllmHiddenStatesGenerator(
+            path, layer_ids=[int(x) for x in a.layers.split(",")] if a.layers else None, **common
+        )
+
         def run():
             for b in batches:  # like a consumer that saves each batch and drops it
                 gen.generate(b)
+
         return gen, run
 
     breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
@@ -169,20 +210,41 @@ def main(argv=None) -> int:
         def run():  # -> seconds in run_extract (not the clean-up: deleting GBs of output is no part of it)
             out = tempfile.mkdtemp(prefix="out-", dir=out_roots[od])
             t = time.perf_counter()
-            s = run_extract(path, jsonl, out, batch_size=a.batch, generator=gen, progress=False, writer_threads=wt,
-                            writer=wm if shard == 1 else "thread", checksum=ck, fmt=fmt,
-                            shard_size=shard)
+            s = run_extract(
+                path,
+                jsonl,
+                out,
+                batch_size=a.batch,
+                generator=gen,
+                progress=False,
+                writer_threads=wt,
+                writer=wm if shard == 1 else "thread",
+                checksum=ck,
+                fmt=fmt,
+                shard_size=shard,
+            )
             total = time.perf_counter() - t
             shutil.rmtree(out)
             if name:
-                parts = {k: s[k] for k in ("generate_s", "read_s", "handoff_s", "writer_wait_s", "writer_tail_s",
-                                           "writer_start_s")}
+                parts = {
+                    k: s[k]
+                    for k in ("generate_s", "read_s", "handoff_s", "writer_wait_s", "writer_tail_s", "writer_start_s")
+                }
                 breakdown.setdefault(name, []).append(
-                    {"total_s": round(total, 3), **parts, "other_s": round(total - sum(parts.values()), 3),
-                     "writer": s["writer"], "write_mib_per_s": s["write_mib_per_s"], "write_bound": s["write_bound"],
-                     # files written in writer processes (the rest: rows split over engine steps, in the driver)
-                     "files_by_writer_processes": s.get("files_by_writer_processes"), "files": s["files"]})
+                    {
+                        "total_s": round(total, 3),
+                        **parts,
+                        "other_s": round(total - sum(parts.values()), 3),
+                        "writer": s["writer"],
+                        "write_mib_per_s": s["write_mib_per_s"],
+                        "write_bound": s["write_bound"],
+                        # files written in writer processes (the rest: rows split over engine steps, in the driver)
+                        "files_by_writer_processes": s.get("files_by_writer_processes"),
+                        "files": s["files"],
+                    }
+                )
             return total
+
         return run
 
     def rec(name, dt):
@@ -192,8 +254,17 @@ def main(argv=None) -> int:
     engine_s: dict[str, list[dict]] = {}  # per timed run: where the engine's time went (s)
     # worker_expect_s: the worker readying its arena per batch; arena_new_s: the part of it spent
     # making (on a GPU, page-locking) new slabs
-    ENGINE_KEYS = ("prep_s", "busy_s", "expect_s", "drive_s", "handoff_s", "hook_s", "take_s", "worker_expect_s",
-                   "arena_new_s")
+    ENGINE_KEYS = (
+        "prep_s",
+        "busy_s",
+        "expect_s",
+        "drive_s",
+        "handoff_s",
+        "hook_s",
+        "take_s",
+        "worker_expect_s",
+        "arena_new_s",
+    )
 
     gc_s: dict[str, list[dict]] = {}  # per timed run: the driver's garbage collections (seconds, gen-2 count)
     gc_now = {"t0": 0.0, "s": 0.0, "full": 0}
@@ -231,10 +302,17 @@ def main(argv=None) -> int:
         for wt, wm, ck, (fmt, shard), ptw, od in itertools.product(wts, wms, cks, outputs, ptws, out_dirs):
             if shard > 1:  # shards are written on a thread, whatever --writer-modes says: once
                 wm = "thread"
-            name = ("pipeline" + tag + (f"[w{wt}]" if wt else "") + (f"[{wm}]" if len(wms) > 1 else "")
-                    + (f"[{fmt}]" if len(fmts) > 1 else "") + (f"[s{shard}]" if len(shards) > 1 else "")
-                    + (f"[{ck}]" if len(cks) > 1 else "") + (f"[{ptw}]" if len(ptws) > 1 else "")
-                    + (f"[{od}]" if len(out_dirs) > 1 else ""))
+            name = (
+                "pipeline"
+                + tag
+                + (f"[w{wt}]" if wt else "")
+                + (f"[{wm}]" if len(wms) > 1 else "")
+                + (f"[{fmt}]" if len(fmts) > 1 else "")
+                + (f"[s{shard}]" if len(shards) > 1 else "")
+                + (f"[{ck}]" if len(cks) > 1 else "")
+                + (f"[{ptw}]" if len(ptws) > 1 else "")
+                + (f"[{od}]" if len(out_dirs) > 1 else "")
+            )
             if name in timed:
                 continue
             timed.add(name)
@@ -256,7 +334,7 @@ def main(argv=None) -> int:
         gen.close()
         del llm
     else:  # CPU: one engine at a time, alternating phases
-        for phase in range(2):
+        for _phase in range(2):
             llm, raw = make_raw()
             raw()
             for _ in range(a.reps):
@@ -269,7 +347,7 @@ def main(argv=None) -> int:
             for wm in wms:
                 pipeline_fn(gen, wts[0], wm)()
             for _ in range(a.reps):
-                rec_run(gen, f"generate[{dev}]", lambda: _timed(ours))
+                rec_run(gen, f"generate[{dev}]", lambda ours=ours: _timed(ours))
                 time_pipelines(gen, "")
             gen.close()
     if not a.no_hf:
@@ -282,7 +360,7 @@ def main(argv=None) -> int:
         def hf():
             with torch.no_grad():
                 for i in range(0, len(prompts), mb):
-                    hs = m(ids[i:i + mb], output_hidden_states=True, use_cache=False).hidden_states
+                    hs = m(ids[i : i + mb], output_hidden_states=True, use_cache=False).hidden_states
                     [h.cpu() for h in hs[1::4]]
             if cuda:
                 torch.cuda.synchronize()
@@ -295,13 +373,31 @@ def main(argv=None) -> int:
         if d:
             shutil.rmtree(root, ignore_errors=True)
 
-    rows = {k: {"tok_s_median": tokens / statistics.median(v), "tok_s_min": tokens / max(v),
-                "tok_s_max": tokens / min(v), "runs": len(v)} for k, v in times.items()}
-    env = {"device": torch.cuda.get_device_name(0) if cuda else f"cpu x{os.cpu_count()}",
-           "vllm": versions.installed("vllm"), "torch": torch.__version__, "model": a.model,
-           "batch": a.batch, "batches": a.batches, "seq": a.seq_mixed or a.seq, "tokens": tokens, "dtype": a.dtype,
-           "max_num_batched_tokens": a.max_num_batched_tokens, "out_dir": a.out_dir or tempfile.gettempdir(),
-           "out_dirs": out_dirs if a.out_dirs else None, "file_cost_us": file_cost, "sample_bytes": sample_bytes}
+    rows = {
+        k: {
+            "tok_s_median": tokens / statistics.median(v),
+            "tok_s_min": tokens / max(v),
+            "tok_s_max": tokens / min(v),
+            "runs": len(v),
+        }
+        for k, v in times.items()
+    }
+    env = {
+        "device": torch.cuda.get_device_name(0) if cuda else f"cpu x{os.cpu_count()}",
+        "vllm": versions.installed("vllm"),
+        "torch": torch.__version__,
+        "model": a.model,
+        "batch": a.batch,
+        "batches": a.batches,
+        "seq": a.seq_mixed or a.seq,
+        "tokens": tokens,
+        "dtype": a.dtype,
+        "max_num_batched_tokens": a.max_num_batched_tokens,
+        "out_dir": a.out_dir or tempfile.gettempdir(),
+        "out_dirs": out_dirs if a.out_dirs else None,
+        "file_cost_us": file_cost,
+        "sample_bytes": sample_bytes,
+    }
     print(json.dumps(env))
     print("| contender | tokens/s (median) | spread (min-max) | runs |")
     print("|---|---|---|---|")
@@ -310,7 +406,7 @@ def main(argv=None) -> int:
     ratios = {}
     for gen_key in [k for k in rows if k.startswith("generate")]:
         ratios[f"{gen_key}/raw"] = rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"]
-        tag = gen_key[gen_key.index("]") + 1:]  # the variant tags after the copy mode
+        tag = gen_key[gen_key.index("]") + 1 :]  # the variant tags after the copy mode
         for pk in [k for k in rows if pipeline_tag.get(k) == tag]:
             ratios[f"{pk}/{gen_key}"] = rows[pk]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     gen_key = next(k for k in rows if k.startswith("generate"))
@@ -318,9 +414,20 @@ def main(argv=None) -> int:
         ratios[f"{gen_key}/hf"] = rows[gen_key]["tok_s_median"] / rows["hf"]["tok_s_median"]
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"env": env, "rows": rows, "ratios": ratios, "raw_times_s": times,
-                       "pipeline_breakdown_s": breakdown, "arena_slabs_made": slabs_made,
-                       "engine_s": engine_s, "driver_gc": gc_s}, f, indent=1)
+            json.dump(
+                {
+                    "env": env,
+                    "rows": rows,
+                    "ratios": ratios,
+                    "raw_times_s": times,
+                    "pipeline_breakdown_s": breakdown,
+                    "arena_slabs_made": slabs_made,
+                    "engine_s": engine_s,
+                    "driver_gc": gc_s,
+                },
+                f,
+                indent=1,
+            )
     for k, v in breakdown.items():
         med = {f: statistics.median(r[f] for r in v) for f in v[0] if f.endswith("_s")}
         print(f"{k}: median s per run: " + ", ".join(f"{f} {x:.3f}" for f, x in med.items()))
@@ -329,11 +436,15 @@ def main(argv=None) -> int:
         # expect_s: that plus announcing the batch to the workers; the rest: handing vLLM the requests);
         # drive: scheduling and forwards; handoff: taking the rows over
         if v and v[0]:
-            print(f"{k}: engine median s per run: " + ", ".join(
-                f"{f} {statistics.median(r[f] for r in v):.3f}" for f in v[0]))
+            print(
+                f"{k}: engine median s per run: "
+                + ", ".join(f"{f} {statistics.median(r[f] for r in v):.3f}" for f in v[0])
+            )
     for k, v in gc_s.items():
-        print(f"{k}: driver GC per run: median {statistics.median(r['gc_s'] for r in v):.4f} s, "
-              f"full collections {[r['full_collections'] for r in v]}")
+        print(
+            f"{k}: driver GC per run: median {statistics.median(r['gc_s'] for r in v):.4f} s, "
+            f"full collections {[r['full_collections'] for r in v]}"
+        )
     print("ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     return 0
 

@@ -6,6 +6,7 @@ CUDA-only `torch.cuda.mem_get_info` on CPU). One batch that fits one scheduler s
 right there), timed 3 times after a warm-up, each variant in its own fresh interpreter.
     $(python3 scripts/engine_env.py python 0.11.0) benchmarks/upstream_vs_patched.py --batch 64 --seq 128
 """
+
 import argparse
 import json
 import os
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 
-CHILD = textwrap.dedent('''
+CHILD = textwrap.dedent("""
     import json, os, sys, time
     def main():
         import torch
@@ -35,15 +36,16 @@ CHILD = textwrap.dedent('''
         gen.__del__()
     if __name__ == "__main__":
         main()
-''')
+""")
 
 
 def run(disable: bool, a) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="ERROR")
     if disable:
         env["SPECULATORS_COMPAT_DISABLE"] = "1"
-    p = subprocess.run([sys.executable, "-c", CHILD, a.model, str(a.batch), str(a.seq)], capture_output=True,
-                       text=True, env=env)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, a.model, str(a.batch), str(a.seq)], capture_output=True, text=True, env=env
+    )
     for line in p.stdout.splitlines():
         if line.startswith("@@"):
             return json.loads(line[2:])
@@ -61,8 +63,12 @@ def main() -> int:
     for name, disable in (("upstream", True), ("patched", False), ("upstream#2", True), ("patched#2", False)):
         r = run(disable, a)
         res[name] = r
-        print(f"{name:<11} start-up {r['startup_s']:.1f}s  generate " +
-              " ".join(f"{tokens / t:,.0f}" for t in r["times"]) + " tok/s", flush=True)
+        print(
+            f"{name:<11} start-up {r['startup_s']:.1f}s  generate "
+            + " ".join(f"{tokens / t:,.0f}" for t in r["times"])
+            + " tok/s",
+            flush=True,
+        )
     best = {k: tokens / min(r["times"]) for k, r in res.items()}
     up = max(best["upstream"], best["upstream#2"])
     pa = max(best["patched"], best["patched#2"])

@@ -10,6 +10,7 @@ driver's wait on vLLM's shared-memory queue does while the GPU works. Alternatin
 and spread.
     python benchmarks/writer.py --threads 4,8,16 --seq 1024 --hidden 2048 --layers 4 --spin 0,1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,16 @@ def main(argv=None) -> int:
                 k, off = arena.alloc(a.seq * row_bytes)
                 arena.view(k, off, a.seq, a.hidden, torch.bfloat16).copy_(torch.randn(a.seq, a.hidden, generator=g))
                 layers.append(reader.assemble([(arena.path(k), off, a.seq)], a.hidden, torch.bfloat16))
-            items.append((b * a.batch + i, {"input_ids": torch.arange(a.seq), "hidden_states": layers,
-                                            "loss_mask": torch.ones(a.seq, dtype=torch.long)}))
+            items.append(
+                (
+                    b * a.batch + i,
+                    {
+                        "input_ids": torch.arange(a.seq),
+                        "hidden_states": layers,
+                        "loss_mask": torch.ones(a.seq, dtype=torch.long),
+                    },
+                )
+            )
         batches.append(items)
     nbytes = a.batches * a.batch * a.layers * a.seq * a.hidden * 2
     root = Path(a.dir or tempfile.mkdtemp(prefix="sc-writer-bench-"))
@@ -78,8 +87,11 @@ def main(argv=None) -> int:
 
             writer_pool(n)
         t = time.perf_counter()
-        w = (ProcessWriter(od, reader.describe, queue_size=2, processes=n) if kind == "process"
-             else BackgroundWriter(od, queue_size=2, threads=n))
+        w = (
+            ProcessWriter(od, reader.describe, queue_size=2, processes=n)
+            if kind == "process"
+            else BackgroundWriter(od, queue_size=2, threads=n)
+        )
         for items in batches:
             w.put(items)
         w.close()
@@ -123,8 +135,14 @@ def main(argv=None) -> int:
     spinning.clear()
     shutdown_writer_pool()
     arena.close()
-    rows = {k: {"gib_s_median": nbytes / statistics.median(v) / 2**30, "gib_s_min": nbytes / max(v) / 2**30,
-                "gib_s_max": nbytes / min(v) / 2**30} for k, v in times.items()}
+    rows = {
+        k: {
+            "gib_s_median": nbytes / statistics.median(v) / 2**30,
+            "gib_s_min": nbytes / max(v) / 2**30,
+            "gib_s_max": nbytes / min(v) / 2**30,
+        }
+        for k, v in times.items()
+    }
     print(json.dumps({"bytes": nbytes, "cpus": os.cpu_count(), "dir": str(root)}))
     for k, r in rows.items():
         print(f"| {k} | {r['gib_s_median']:.2f} GiB/s | {r['gib_s_min']:.2f} - {r['gib_s_max']:.2f} |")

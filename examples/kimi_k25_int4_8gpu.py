@@ -37,6 +37,7 @@ It needs the GPUs; everything around it runs on the built-in tiny models on CPU:
     python examples/kimi_k25_int4_8gpu.py --model "$(python -c 'from speculators_compat.testing import models; print(models.build("llama"))')" \
         --input samples.jsonl --output out --tensor-parallel-size 1 --layer-ids 1,3,5 --max-model-len 2048
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,11 +69,21 @@ def main() -> int:
     handle_termination()  # a preempted job's SIGTERM shuts the 8 workers down like Ctrl-C
     try:
         summary = run_extract(
-            a.model, a.input, a.output, layer_ids=[int(x) for x in a.layer_ids.split(",")],
-            batch_size=a.batch_size, max_samples=a.max_samples, max_model_len=a.max_model_len,
-            tensor_parallel_size=a.tensor_parallel_size, trust_remote_code=True, dtype="auto",
-            max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
-            enable_expert_parallel=a.ep, async_scheduling="keep")
+            a.model,
+            a.input,
+            a.output,
+            layer_ids=[int(x) for x in a.layer_ids.split(",")],
+            batch_size=a.batch_size,
+            max_samples=a.max_samples,
+            max_model_len=a.max_model_len,
+            tensor_parallel_size=a.tensor_parallel_size,
+            trust_remote_code=True,
+            dtype="auto",
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            enable_expert_parallel=a.ep,
+            async_scheduling="keep",
+        )
     except KeyboardInterrupt as e:
         msg, code = interrupted(e, a.output)
         print(msg, file=sys.stderr)

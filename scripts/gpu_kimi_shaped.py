@@ -17,6 +17,7 @@ the dequantized weights, which is what the engine computes with.
     python scripts/gpu_kimi_shaped.py OUTDIR [--tp 1,2] [--pipeline] [--layers 3] [--experts 16]
                                       [--kimi-k25 [--int4 32]]
 """
+
 import argparse
 import contextlib
 import json
@@ -30,14 +31,37 @@ def build(path, layers, experts, width, vocab):
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    kw = dict(vocab_size=vocab, hidden_size=width, intermediate_size=int(width * 18432 / 7168),
-              moe_intermediate_size=int(width * 2048 / 7168), num_hidden_layers=layers, num_attention_heads=64,
-              num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-              qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=experts, num_experts_per_tok=8,
-              n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.827,
-              norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", max_position_embeddings=8192,
-              rope_theta=50000.0, rope_scaling=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-              initializer_range=0.02)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=int(width * 18432 / 7168),
+        moe_intermediate_size=int(width * 2048 / 7168),
+        num_hidden_layers=layers,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=experts,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        norm_topk_prob=True,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        max_position_embeddings=8192,
+        rope_theta=50000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.02,
+    )
     cfg = DeepseekV3Config(**kw)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -87,14 +111,26 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=7168)
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--build-only", action="store_true")
-    ap.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, e.g. 1,2; a size "
-                    "ending in 'ep' (4ep) also enables expert parallelism")
+    ap.add_argument(
+        "--tp",
+        default="1",
+        help="comma-separated tensor-parallel sizes, e.g. 1,2; a size "
+        "ending in 'ep' (4ep) also enables expert parallelism",
+    )
     ap.add_argument("--pipeline", action="store_true", help="only the pipeline + killed-worker check")
     ap.add_argument("--kimi-k25", action="store_true", help="inside the Kimi-K2.5 multimodal wrapper")
-    ap.add_argument("--upstream", action="store_true",
-                    help="run speculators 0.3.0's own generator (patched by the import) instead of ours")
-    ap.add_argument("--int4", type=int, default=0, metavar="GROUP",
-                    help="with --kimi-k25: routed experts as compressed-tensors INT4 with this group size")
+    ap.add_argument(
+        "--upstream",
+        action="store_true",
+        help="run speculators 0.3.0's own generator (patched by the import) instead of ours",
+    )
+    ap.add_argument(
+        "--int4",
+        type=int,
+        default=0,
+        metavar="GROUP",
+        help="with --kimi-k25: routed experts as compressed-tensors INT4 with this group size",
+    )
     a = ap.parse_args()
     if a.int4 and not a.kimi_k25:
         ap.error("--int4 needs --kimi-k25")
@@ -115,10 +151,12 @@ def main() -> int:
         if not os.path.exists(os.path.join(wrapped, "config.json")):
             kimi.wrap(path, wrapped + ".tmp", int4_group=a.int4 or None, ref_dir=a.ref_path if a.int4 else None)
             os.replace(wrapped + ".tmp", wrapped)
-        report.update(wrap_s=round(time.time() - t, 1), wrapper="KimiK25ForConditionalGeneration",
-                      int4_group=a.int4 or None,
-                      checkpoint_gib=round(sum(f.stat().st_size for f in Path(wrapped).glob("*.safetensors"))
-                                           / 2**30, 2))
+        report.update(
+            wrap_s=round(time.time() - t, 1),
+            wrapper="KimiK25ForConditionalGeneration",
+            int4_group=a.int4 or None,
+            checkpoint_gib=round(sum(f.stat().st_size for f in Path(wrapped).glob("*.safetensors")) / 2**30, 2),
+        )
         path = wrapped
     print(json.dumps(report), flush=True)
     if a.build_only:
@@ -127,15 +165,16 @@ def main() -> int:
         return pipeline_check(a, path, report)
     import statistics
 
-    import speculators_compat  # noqa: F401
     import torch
 
+    import speculators_compat  # noqa: F401
     from speculators_compat import VllmHiddenStatesGenerator
     from speculators_compat.testing import models, reference
 
     layer_ids = list(range(a.layers))
-    prompts = [[t % a.vocab for t in p] for p in models.random_prompts([5, 700, 37, 1500, 120, 64], seed=1,
-                                                                          vocab=a.vocab)]
+    prompts = [
+        [t % a.vocab for t in p] for p in models.random_prompts([5, 700, 37, 1500, 120, 64], seed=1, vocab=a.vocab)
+    ]
     bench = models.random_prompts([1024] * 16, seed=2, vocab=a.vocab)
     tps = a.tp.split(",")
     results, runs = {}, {}
@@ -145,13 +184,27 @@ def main() -> int:
         if a.upstream:  # speculators 0.3.0's own class, patched by the import (its arguments only)
             from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator as Up
 
-            cm = _upstream(Up(path, layer_ids=layer_ids, max_model_len=4096, gpu_memory_utilization=0.5,
-                              tensor_parallel_size=tp_entry(tp)[0]))
+            cm = _upstream(
+                Up(
+                    path,
+                    layer_ids=layer_ids,
+                    max_model_len=4096,
+                    gpu_memory_utilization=0.5,
+                    tensor_parallel_size=tp_entry(tp)[0],
+                )
+            )
         else:
-            cm = VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=4096, dtype="bfloat16",
-                                           tensor_parallel_size=tp_entry(tp)[0], gpu_memory_utilization=0.5,
-                                           enable_expert_parallel=tp_entry(tp)[1], max_num_batched_tokens=1024,
-                                           trust_remote_code=a.kimi_k25)
+            cm = VllmHiddenStatesGenerator(
+                path,
+                layer_ids=layer_ids,
+                max_model_len=4096,
+                dtype="bfloat16",
+                tensor_parallel_size=tp_entry(tp)[0],
+                gpu_memory_utilization=0.5,
+                enable_expert_parallel=tp_entry(tp)[1],
+                max_num_batched_tokens=1024,
+                trust_remote_code=a.kimi_k25,
+            )
         with cm as g:
             r["engine_start_s"] = round(time.time() - t, 1)
             r["model_class"] = g.engine.model_info
@@ -180,8 +233,9 @@ def main() -> int:
     ref = reference.HFReference(a.ref_path, layer_ids, device="cuda" if torch.cuda.is_available() else "cpu")
     ok = True
     for tp in tps:
-        worst, bad = reference.compare([x["hidden_states"] for x in results[tp]], prompts, ref,
-                                       reference.TOLERANCE["bfloat16"])
+        worst, bad = reference.compare(
+            [x["hidden_states"] for x in results[tp]], prompts, ref, reference.TOLERANCE["bfloat16"]
+        )
         per_layer = {}
         for x, p in zip(results[tp], prompts):
             for j, lid in enumerate(layer_ids):
@@ -191,15 +245,18 @@ def main() -> int:
         runs[tp].update({"worst_rel_vs_hf": worst, "per_layer_worst_rel": per_layer, "mismatches": len(bad)})
         ok = ok and not bad and runs[tp]["order_ok"] and runs[tp]["experts_ok"]
         if tp != tps[0]:  # against the first TP size, directly
-            rel = max(float((x.float() - y.float()).norm() / y.float().norm())
-                      for a_, b_ in zip(results[tp], results[tps[0]])
-                      for x, y in zip(a_["hidden_states"], b_["hidden_states"]))
+            rel = max(
+                float((x.float() - y.float()).norm() / y.float().norm())
+                for a_, b_ in zip(results[tp], results[tps[0]])
+                for x, y in zip(a_["hidden_states"], b_["hidden_states"])
+            )
             runs[tp][f"worst_rel_vs_tp{tps[0]}"] = rel
             ok = ok and rel <= reference.TOLERANCE["bfloat16"]
     report.update({"runs": runs, "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count()})
     print(json.dumps(report, default=str), flush=True)
     name = ("kimi_k25" + (f"_int4g{a.int4}" if a.int4 else "") if a.kimi_k25 else "kimi_shaped") + (
-        "_upstream" if a.upstream else "")
+        "_upstream" if a.upstream else ""
+    )
     with open(os.path.join(a.out, f"{name}_tp{a.tp.replace(',', '-')}.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     return 0 if ok else 1
@@ -229,10 +286,31 @@ def pipeline_check(a, path, report) -> int:
     with open(jsonl, "w") as f:
         for p in prompts:
             f.write(json.dumps({"input_ids": p}) + "\n")
-    args = [sys.executable, "-m", "speculators_compat.cli", "extract", "--model", path, "--input", jsonl,
-            "--tensor-parallel-size", str(tp), "--batch-size", "8", "--max-model-len", "4096",
-            "--dtype", "bfloat16", "--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.5",
-            "--layer-ids", ",".join(str(i) for i in range(a.layers)), "--no-progress"]
+    args = [
+        sys.executable,
+        "-m",
+        "speculators_compat.cli",
+        "extract",
+        "--model",
+        path,
+        "--input",
+        jsonl,
+        "--tensor-parallel-size",
+        str(tp),
+        "--batch-size",
+        "8",
+        "--max-model-len",
+        "4096",
+        "--dtype",
+        "bfloat16",
+        "--max-num-batched-tokens",
+        "4096",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--layer-ids",
+        ",".join(str(i) for i in range(a.layers)),
+        "--no-progress",
+    ]
     if a.kimi_k25:
         args.append("--trust-remote-code")
     ep = any(e for _, e in entries)
@@ -248,7 +326,10 @@ def pipeline_check(a, path, report) -> int:
         print(ref.stdout[-3000:], ref.stderr[-5000:])
         return 1
     p = subprocess.Popen(args + ["--output", out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    while p.poll() is None and len([f for f in os.listdir(out) if f.startswith("data_")] if os.path.isdir(out) else []) < 24:
+    while (
+        p.poll() is None
+        and len([f for f in os.listdir(out) if f.startswith("data_")] if os.path.isdir(out) else []) < 24
+    ):
         time.sleep(0.2)
     workers = []
     for c in psutil.Process(p.pid).children(recursive=True):
@@ -289,17 +370,27 @@ def pipeline_check(a, path, report) -> int:
     layer_ids = list(range(a.layers))
     hf = reference.HFReference(a.ref_path, layer_ids, device="cuda" if torch.cuda.is_available() else "cpu")
     files = [torch.load(os.path.join(ref_out, f"data_{i}.pt"), weights_only=True) for i in range(12)]
-    worst, bad = reference.compare([f["hidden_states"] for f in files], prompts[:12], hf,
-                                   reference.TOLERANCE["bfloat16"])
-    r.update(files_vs_hf_worst_rel=worst, files_vs_hf_mismatches=len(bad),
-             files_ids_ok=all(f["input_ids"].tolist() == p for f, p in zip(files, prompts)))
+    worst, bad = reference.compare(
+        [f["hidden_states"] for f in files], prompts[:12], hf, reference.TOLERANCE["bfloat16"]
+    )
+    r.update(
+        files_vs_hf_worst_rel=worst,
+        files_vs_hf_mismatches=len(bad),
+        files_ids_ok=all(f["input_ids"].tolist() == p for f, p in zip(files, prompts)),
+    )
     report["pipeline"] = r
     print(json.dumps(report, default=str), flush=True)
     name = "kimi_k25" + (f"_int4g{a.int4}" if a.int4 else "") if a.kimi_k25 else "kimi"
     with open(os.path.join(a.out, f"{name}_pipeline_tp{tp}.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
-    ok = (r["byte_identical"] and r["error_named"] and r["stopped_after_kill_s"] < 60 and r["files_intact"]
-          and not bad and r["files_ids_ok"])
+    ok = (
+        r["byte_identical"]
+        and r["error_named"]
+        and r["stopped_after_kill_s"] < 60
+        and r["files_intact"]
+        and not bad
+        and r["files_ids_ok"]
+    )
     return 0 if ok else 1
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 """Print the version x check table from the junit XML files scripts/test.sh wrote (stdlib only)."""
+
 from __future__ import annotations
 
 import sys
@@ -20,7 +21,7 @@ GROUPS = [  # (column, file prefix of the test)
 def load(results: Path):
     cells = defaultdict(lambda: defaultdict(lambda: [0, 0, 0, 0.0]))  # version -> group -> [p, f, s, t]
     for f in sorted(results.glob("junit-*.xml")):
-        version = f.stem[len("junit-"):]
+        version = f.stem[len("junit-") :]
         for case in ET.parse(f).getroot().iter("testcase"):
             cls = case.get("classname", "")
             group = next(g for g, prefix in GROUPS if cls.startswith(prefix) or prefix == "tests.")

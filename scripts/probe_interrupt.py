@@ -11,6 +11,7 @@ exit, the child processes still alive 10 s later, the /dev/shm files of ours lef
 files, and whether the resumed dataset is byte-identical to the reference. Used on the CPU
 machine and on the H200 (docs/gpu-results.md section 22).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,12 +51,32 @@ def main() -> int:
     root = Path(a.outdir)
     root.mkdir(parents=True, exist_ok=True)
     _dataset(root / "in.jsonl", a.samples, a.tokens)
-    cli = [sys.executable, "-m", "speculators_compat.cli", "extract", "--model", str(models.build("llama")),
-           "--input", str(root / "in.jsonl"), "--layer-ids", "1,3,5", "--batch-size", "2",
-           "--max-model-len", "2048", "--no-progress", *a.extra]
+    cli = [
+        sys.executable,
+        "-m",
+        "speculators_compat.cli",
+        "extract",
+        "--model",
+        str(models.build("llama")),
+        "--input",
+        str(root / "in.jsonl"),
+        "--layer-ids",
+        "1,3,5",
+        "--batch-size",
+        "2",
+        "--max-model-len",
+        "2048",
+        "--no-progress",
+        *a.extra,
+    ]
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
-    rec: dict = {"signal": f"SIG{a.signal}", "group": a.group, "after_files": a.after, "samples": a.samples,
-                 "extra": a.extra}
+    rec: dict = {
+        "signal": f"SIG{a.signal}",
+        "group": a.group,
+        "after_files": a.after,
+        "samples": a.samples,
+        "extra": a.extra,
+    }
     t = time.time()
     ref = subprocess.run(cli + ["--output", str(root / "ref")], capture_output=True, text=True, env=env)
     rec["reference_rc"], rec["reference_s"] = ref.returncode, round(time.time() - t, 1)
@@ -64,8 +85,14 @@ def main() -> int:
         return 1
     ours_before = set(glob.glob("/dev/shm/speculators-compat-*"))
     out = root / "run"
-    p = subprocess.Popen(cli + ["--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=env, start_new_session=a.group)
+    p = subprocess.Popen(
+        cli + ["--output", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=a.group,
+    )
     while len(list(out.glob("data_*"))) < a.after and p.poll() is None:
         time.sleep(0.05)
     if p.poll() is not None:
@@ -89,16 +116,16 @@ def main() -> int:
     while time.time() < deadline and any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
         time.sleep(0.2)
     rec["children"] = len(children)
-    rec["children_alive_after_10s"] = [c.pid for c in children
-                                       if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    rec["children_alive_after_10s"] = [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     rec["shm_files_during_run"] = len(ours_running)
     left = ours_running & set(glob.glob("/dev/shm/*"))
     rec["shm_files_left"] = sorted(os.path.basename(f) for f in left)
     rec["shm_bytes_left"] = sum(os.path.getsize(f) for f in left)
     rec["partial_files_left"] = sorted(f.name for f in out.glob(".*partial"))
     rec["files_after_exit"] = len(list(out.glob("data_*")))
-    rec["message"] = next((ln for ln in log.splitlines() if "interrupted by" in ln),
-                          (log.strip().splitlines() or [""])[-1]).replace(str(out), "OUTPUT")
+    rec["message"] = next(
+        (ln for ln in log.splitlines() if "interrupted by" in ln), (log.strip().splitlines() or [""])[-1]
+    ).replace(str(out), "OUTPUT")
     t = time.time()
     again = subprocess.run(cli + ["--output", str(out)], capture_output=True, text=True, env=env)
     rec["resume_rc"], rec["resume_s"] = again.returncode, round(time.time() - t, 1)

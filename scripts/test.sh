@@ -23,6 +23,9 @@ echo "=== unit tests (light env: no torch, no vLLM)"
 t0=$(date +%s)
 "$LIGHT" -m pytest tests --ignore=tests/engine -q -p no:cacheprovider --junitxml="$RESULTS/junit-light.xml" \
     ${PYTEST_ARGS:-} || status=1
+echo "=== ruff (lint + format, pyproject [tool.ruff])"
+"$LIGHT" -m ruff check --no-cache . || status=1
+"$LIGHT" -m ruff format --check --no-cache . || status=1
 echo "light $(( $(date +%s) - t0 ))" >> "$RESULTS/times.txt"
 
 for v in $MATRIX; do

@@ -4,6 +4,7 @@
 patch applies when its target module is imported, or at once if it already was. Workers get the same
 patches through the ``vllm.general_plugins`` entry point. ``SPECULATORS_COMPAT_DISABLE=1`` turns it off.
 """
+
 from __future__ import annotations
 
 from . import hooks

@@ -13,6 +13,7 @@ shapes, offsets) and a CRC-32 of 16 blocks of 64 KiB spread over its tensor data
 re-initialised model keeps the header and changes every block). That reads about 1 MiB a weight
 file, whatever its size. No torch, no safetensors package: the header format is read directly.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,16 +23,24 @@ import struct
 import zlib
 from pathlib import Path
 
+from .errors import CheckpointError
+
 SAMPLE_BLOCKS = 16
 SAMPLE_BLOCK_BYTES = 64 << 10
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "vocab.txt", "merges.txt", "tiktoken.model", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tiktoken.model",
+    "added_tokens.json",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-from .errors import CheckpointError
 
 
 def is_local(model: str) -> bool:
@@ -48,8 +57,9 @@ def read_safetensors_header(path: Path) -> tuple[bytes, int]:
             raise CheckpointError(f"{path}: {size} bytes, too short to be a safetensors file (truncated?)")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CheckpointError(f"{path}: its header claims {n:,} bytes but the file has {size:,} "
-                                  "(truncated or not a safetensors file)")
+            raise CheckpointError(
+                f"{path}: its header claims {n:,} bytes but the file has {size:,} (truncated or not a safetensors file)"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -58,15 +68,18 @@ def read_safetensors_header(path: Path) -> tuple[bytes, int]:
         raise CheckpointError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
     data = max(ends, default=0)
     if size != 8 + n + data:
-        raise CheckpointError(f"{path}: {size:,} bytes, but its header describes {8 + n + data:,} "
-                              f"({'truncated' if size < 8 + n + data else 'trailing bytes'}: a download or "
-                              "copy that did not finish?)")
+        raise CheckpointError(
+            f"{path}: {size:,} bytes, but its header describes {8 + n + data:,} "
+            f"({'truncated' if size < 8 + n + data else 'trailing bytes'}: a download or "
+            "copy that did not finish?)"
+        )
     return raw, data
 
 
 def _weight_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
-                  and not p.name.startswith("."))
+    return sorted(
+        p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) and not p.name.startswith(".")
+    )
 
 
 def check_checkpoint(model: str) -> None:
@@ -76,8 +89,10 @@ def check_checkpoint(model: str) -> None:
         return
     p = Path(model).expanduser()
     if p.is_file():
-        raise CheckpointError(f"model path {model!r} is a file: the model is given as its directory, the one "
-                              f"holding config.json and the weights (here perhaps {str(p.parent)!r})")
+        raise CheckpointError(
+            f"model path {model!r} is a file: the model is given as its directory, the one "
+            f"holding config.json and the weights (here perhaps {str(p.parent)!r})"
+        )
     if not p.exists():
         raise FileNotFoundError(f"model path {model!r} does not exist")
     if not (p / "config.json").is_file():
@@ -91,8 +106,10 @@ def check_checkpoint(model: str) -> None:
                 raise CheckpointError(f"{index}: not a readable weight index ({type(e).__name__}: {e})") from None
             missing = [s for s in shards if not (p / s).is_file()]
             if missing:
-                raise CheckpointError(f"{index} lists {len(missing)} weight file(s) that are not in {p}: "
-                                      f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+                raise CheckpointError(
+                    f"{index} lists {len(missing)} weight file(s) that are not in {p}: "
+                    f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+                )
     for f in _weight_files(p):
         if f.name.endswith(".safetensors"):
             read_safetensors_header(f)
@@ -128,15 +145,20 @@ def fingerprint_checkpoint(model: str) -> dict:
     if not is_local(model) or not Path(model).is_dir():
         return {"hub_id": model}
     p = Path(model).expanduser()
-    fp: dict = {"config.json": _sha256(p / "config.json"),
-                "tokenizer": {n: _sha256(p / n) for n in TOKENIZER_FILES if (p / n).is_file()},
-                "weights": {}}
+    fp: dict = {
+        "config.json": _sha256(p / "config.json"),
+        "tokenizer": {n: _sha256(p / n) for n in TOKENIZER_FILES if (p / n).is_file()},
+        "weights": {},
+    }
     for f in _weight_files(p):
         size = f.stat().st_size
         if f.name.endswith(".safetensors"):
             raw, data = read_safetensors_header(f)
-            entry = {"bytes": size, "header_sha256": hashlib.sha256(raw).hexdigest(),
-                     "data_crc32_sampled": _sampled_crc(f, 8 + len(raw), data)}
+            entry = {
+                "bytes": size,
+                "header_sha256": hashlib.sha256(raw).hexdigest(),
+                "data_crc32_sampled": _sampled_crc(f, 8 + len(raw), data),
+            }
         else:
             entry = {"bytes": size, "data_crc32_sampled": _sampled_crc(f, 0, size)}
         fp["weights"][f.name] = entry

@@ -3,6 +3,7 @@
 vLLM and torch are imported only by the sub-commands that need them, so ``--help`` and ``doctor``
 work anywhere.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_args(p)
     p.set_defaults(fn=_plan)
 
-    r = sub.add_parser("run", help="run a command with the patches in every Python process it starts "
-                       "(spawned vLLM workers included): speculators-compat run python SCRIPT ARGS...")
+    r = sub.add_parser(
+        "run",
+        help="run a command with the patches in every Python process it starts "
+        "(spawned vLLM workers included): speculators-compat run python SCRIPT ARGS...",
+    )
     r.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments")
     r.set_defaults(fn=_run)
 
@@ -101,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     handle_termination()  # SIGTERM / SIGHUP shut the engine down like Ctrl-C (signals.py)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.fn is _run:  # (the command's own output and exit status, untouched)
         try:

@@ -1,5 +1,6 @@
 """The README's main job: unmodified speculators 0.3.0 + ``import speculators_compat`` on a built-in
 tiny model, checked against HF transformers, sequence by sequence and layer by layer."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,10 @@ def run_demo(model: str = "llama", versions_only: bool = False) -> int:
     from . import versions
     from .testing import models, reference
 
-    print(f"speculators-compat demo: vLLM {versions.installed('vllm')}, torch {versions.installed('torch')}, "
-          f"transformers {versions.installed('transformers')}, speculators {versions.installed('speculators')}")
+    print(
+        f"speculators-compat demo: vLLM {versions.installed('vllm')}, torch {versions.installed('torch')}, "
+        f"transformers {versions.installed('transformers')}, speculators {versions.installed('speculators')}"
+    )
     path = str(models.build(model))
     layers = [1, 3, 5] if model != "deepseek_v3" else [0, 2, 3]
     lengths = [5, 700, 37, 120, 300, 17, 64, 8, 512, 50, 99, 10, 11]
@@ -23,10 +26,12 @@ def run_demo(model: str = "llama", versions_only: bool = False) -> int:
     t0 = time.time()
     try:
         from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
         source = "speculators 0.3.0 VllmHiddenStatesGenerator (unmodified, patched at import)"
         gen = VllmHiddenStatesGenerator(path, layer_ids=layers, max_model_len=1024)
     except ImportError:
         from .generator import VllmHiddenStatesGenerator
+
         source = "speculators_compat.VllmHiddenStatesGenerator (speculators not installed)"
         gen = VllmHiddenStatesGenerator(path, layer_ids=layers, max_model_len=1024)
     print(f"model: tiny {model} ({path}); generator: {source}; engine ready in {time.time() - t0:.1f}s")
@@ -36,8 +41,10 @@ def run_demo(model: str = "llama", versions_only: bool = False) -> int:
     dtype = results[0]["hidden_states"][0].dtype
     tol = reference.tolerance_for(dtype)
     ref = reference.HFReference(path, layers)
-    print(f"{len(prompts)} prompts, {sum(lengths)} tokens in {dt:.2f}s; captured dtype {dtype}; "
-          f"layers {layers}; tolerance rel. err <= {tol:g}")
+    print(
+        f"{len(prompts)} prompts, {sum(lengths)} tokens in {dt:.2f}s; captured dtype {dtype}; "
+        f"layers {layers}; tolerance rel. err <= {tol:g}"
+    )
     print(f"{'seq':>4} {'tokens':>6} " + " ".join(f"{'layer ' + str(lid):>11}" for lid in layers))
     failures = 0
     for i, (r, p) in enumerate(zip(results, prompts)):

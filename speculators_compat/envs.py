@@ -3,6 +3,7 @@ what it does. The README's settings table is generated from here (``python -m
 speculators_compat.envs``) and a test checks that it matches. Stdlib only: ``hooks`` reads
 ``SPECULATORS_COMPAT_DISABLE`` when ``speculators_compat`` is imported.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,22 +28,45 @@ class Setting:
 
 _BOOL = ("0", "1", "false", "true", "no", "yes", "off", "on")
 
-SETTINGS = {s.name: s for s in (
-    Setting("SPECULATORS_COMPAT_DISABLE", "0", _BOOL,
-            "1: `import speculators_compat` applies no patch (in the driver and in vLLM's workers)"),
-    Setting("SPECULATORS_COMPAT_HANDOFF", "shm", ("shm", "rpc"),
+SETTINGS = {
+    s.name: s
+    for s in (
+        Setting(
+            "SPECULATORS_COMPAT_DISABLE",
+            "0",
+            _BOOL,
+            "1: `import speculators_compat` applies no patch (in the driver and in vLLM's workers)",
+        ),
+        Setting(
+            "SPECULATORS_COMPAT_HANDOFF",
+            "shm",
+            ("shm", "rpc"),
             "how captured states travel from the workers to the driver: a /dev/shm arena, or pickled "
-            "through vLLM's RPC (for a host or container without a writable /dev/shm; slower)"),
-    Setting("SPECULATORS_COMPAT_ZERO_COPY", "1", ("1", "0"),
+            "through vLLM's RPC (for a host or container without a writable /dev/shm; slower)",
+        ),
+        Setting(
+            "SPECULATORS_COMPAT_ZERO_COPY",
+            "1",
+            ("1", "0"),
             "the default of the generators' `zero_copy`: 1 returns tensors over the /dev/shm arena (each "
-            "keeps its slab there until dropped: `.clone()` what you keep), 0 copies every row out"),
-    Setting("SPECULATORS_COMPAT_PT_WRITER", "direct", ("direct", "torch"),
+            "keeps its slab there until dropped: `.clone()` what you keep), 0 copies every row out",
+        ),
+        Setting(
+            "SPECULATORS_COMPAT_PT_WRITER",
+            "direct",
+            ("direct", "torch"),
             "how `data_{i}.pt` files are made: `direct` builds torch.save's bytes without its per-call cost "
             "(checked against torch.save once per process, which it falls back to if they differ); "
-            "`torch` always calls torch.save"),
-    Setting("SPECULATORS_COMPAT_CACHE", os.path.join("~", ".cache", "speculators-compat"), None,
-            "where the built-in tiny models (and the development scripts' engine environments) live"),
-)}
+            "`torch` always calls torch.save",
+        ),
+        Setting(
+            "SPECULATORS_COMPAT_CACHE",
+            os.path.join("~", ".cache", "speculators-compat"),
+            None,
+            "where the built-in tiny models (and the development scripts' engine environments) live",
+        ),
+    )
+}
 
 
 def get(name: str) -> str:
@@ -58,8 +82,11 @@ def table_markdown() -> str:
     """The README's settings table."""
     rows = ["| variable | default | values | what it does |", "|---|---|---|---|"]
     for s in SETTINGS.values():
-        values = " \\| ".join(f"`{c}`" for c in s.choices) if s.choices and s.choices != _BOOL else (
-            "`1` / `0`" if s.choices else "a path")
+        values = (
+            " \\| ".join(f"`{c}`" for c in s.choices)
+            if s.choices and s.choices != _BOOL
+            else ("`1` / `0`" if s.choices else "a path")
+        )
         rows.append(f"| `{s.name}` | `{s.default}` | {values} | {s.doc} |")
     return "\n".join(rows) + "\n"
 

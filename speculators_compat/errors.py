@@ -4,6 +4,7 @@ ValueErrors name bad input (a token id, a sample, a checkpoint, a setting); Runt
 run that could not go on (a capture check that failed, a dead worker, an output that cannot be
 written). Messages name the sample, file or setting concerned.
 """
+
 from __future__ import annotations
 
 
@@ -40,8 +41,10 @@ class TokenIdError(ValueError):
         """The error, with ``where`` naming the sequence (the pipeline names its sample)."""
         if self.token < 0:
             return f"{where} holds a negative token id {self.token}"
-        return (f"{where} holds token id {self.token}, outside the model's vocabulary of {self.vocab} ids "
-                f"[0, {self.vocab - 1}] (tokenized for another model?)")
+        return (
+            f"{where} holds token id {self.token}, outside the model's vocabulary of {self.vocab} ids "
+            f"[0, {self.vocab - 1}] (tokenized for another model?)"
+        )
 
 
 class CheckpointError(ValueError):
@@ -60,5 +63,14 @@ class WriterProcessDied(OutputError):
     """A writer process of the pipeline died; the files already written are complete."""
 
 
-__all__ = ["CaptureError", "StallError", "WorkerDiedError", "ArenaSpaceError", "TokenIdError", "CheckpointError",
-           "DatasetError", "OutputError", "WriterProcessDied"]
+__all__ = [
+    "CaptureError",
+    "StallError",
+    "WorkerDiedError",
+    "ArenaSpaceError",
+    "TokenIdError",
+    "CheckpointError",
+    "DatasetError",
+    "OutputError",
+    "WriterProcessDied",
+]

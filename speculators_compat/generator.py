@@ -3,12 +3,14 @@ on our engine loop, for every vLLM 0.11 -> 0.32, with or without speculators ins
 
 Layer ids and their two conventions: layers.py.
 """
+
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from numbers import Integral
-from typing import Any, Sequence
+from typing import Any
 
 from .checkpoint import check_checkpoint
 from .engine.config import EngineOptions
@@ -73,8 +75,11 @@ def to_token_lists(token_ids: Any, vocab_size: int | None = None) -> list[list[i
             raise TypeError(f"sequence {i} must be a list of token ids, got {type(seq).__name__}")
         if len(seq) == 0:
             raise ValueError(f"sequence {i} is empty")
-        if (set(map(type, seq)) == _INT and min(seq) >= 0  # the common case, ~2x faster than the loop
-                and (vocab_size is None or max(seq) < vocab_size)):
+        if (
+            set(map(type, seq)) == _INT
+            and min(seq) >= 0  # the common case, ~2x faster than the loop
+            and (vocab_size is None or max(seq) < vocab_size)
+        ):
             out.append(list(seq))
             continue
         for t in seq:  # find the first bad token and name it
@@ -107,21 +112,37 @@ class VllmHiddenStatesGenerator:
     dropped (``.clone()`` what you keep for long). False copies every row out.
     """
 
-    def __init__(self, model_path: str, layer_ids: list[int] | None = None, max_model_len: int = 2048,
-                 gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1, *,
-                 dtype: str = "auto", quantization: str | None = None, trust_remote_code: bool = False,
-                 max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                 enable_expert_parallel: bool = False, async_scheduling: str | None = None,
-                 layer_id_convention: str = "upstream", on_overlength: str = "truncate",
-                 zero_copy: bool | None = None, engine_kwargs: dict | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        layer_ids: list[int] | None = None,
+        max_model_len: int = 2048,
+        gpu_memory_utilization: float = 0.8,
+        tensor_parallel_size: int = 1,
+        *,
+        dtype: str = "auto",
+        quantization: str | None = None,
+        trust_remote_code: bool = False,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        enable_expert_parallel: bool = False,
+        async_scheduling: str | None = None,
+        layer_id_convention: str = "upstream",
+        on_overlength: str = "truncate",
+        zero_copy: bool | None = None,
+        engine_kwargs: dict | None = None,
+    ):
         if isinstance(model_path, os.PathLike):
             model_path = os.fspath(model_path)  # (vLLM itself calls str methods on it)
         if not isinstance(model_path, str):
             raise TypeError(f"model_path must be a path (str or os.PathLike), not {type(model_path).__name__}")
         if on_overlength not in ("truncate", "error"):
             raise ValueError(f"on_overlength must be 'truncate' or 'error', not {on_overlength!r}")
-        if (isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int)
-                or tensor_parallel_size < 1):
+        if (
+            isinstance(tensor_parallel_size, bool)
+            or not isinstance(tensor_parallel_size, int)
+            or tensor_parallel_size < 1
+        ):
             raise ValueError(f"tensor_parallel_size must be a positive integer, not {tensor_parallel_size!r}")
         _check_devices(tensor_parallel_size)
         self.model_path = model_path
@@ -134,15 +155,25 @@ class VllmHiddenStatesGenerator:
         self.layer_ids = normalize_layer_ids(layer_ids, num_layers, layer_id_convention)
         self.layer_id_convention = layer_id_convention
         opts = EngineOptions(
-            model=model_path, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size, dtype=dtype, quantization=quantization,
-            trust_remote_code=trust_remote_code, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, enable_expert_parallel=enable_expert_parallel,
-            async_scheduling=async_scheduling, zero_copy=zero_copy, engine_kwargs=dict(engine_kwargs or {}))
+            model=model_path,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            quantization=quantization,
+            trust_remote_code=trust_remote_code,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_expert_parallel=enable_expert_parallel,
+            async_scheduling=async_scheduling,
+            zero_copy=zero_copy,
+            engine_kwargs=dict(engine_kwargs or {}),
+        )
         self._engine = ExtractionEngine(opts, self.layer_ids)
         if self._engine.model_info["num_layers"] != num_layers:
-            raise RuntimeError(f"config.json says {num_layers} layers but vLLM built "
-                               f"{self._engine.model_info['num_layers']}")
+            raise RuntimeError(
+                f"config.json says {num_layers} layers but vLLM built {self._engine.model_info['num_layers']}"
+            )
         self.vllm_config = self._engine.vllm_config
 
     # upstream exposed these attributes
@@ -164,7 +195,8 @@ class VllmHiddenStatesGenerator:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(
-                self.model_path, trust_remote_code=self.vllm_config.model_config.trust_remote_code)
+                self.model_path, trust_remote_code=self.vllm_config.model_config.trust_remote_code
+            )
         return self._tokenizer
 
     def generate(self, token_ids) -> list[dict]:
@@ -179,8 +211,7 @@ class VllmHiddenStatesGenerator:
         results = []
         # NaN/Inf rows are detected on the device by the capture (CaptureError names the prompt)
         for ids, layers in zip(seqs, states):
-            results.append({"input_ids": token_tensor(ids),
-                            "hidden_states": layers, "loss_mask": None})
+            results.append({"input_ids": token_tensor(ids), "hidden_states": layers, "loss_mask": None})
         return results
 
     def _fit(self, seqs: list[list[int]]) -> list[list[int]]:
@@ -188,8 +219,10 @@ class VllmHiddenStatesGenerator:
         long = [i for i, s in enumerate(seqs) if len(s) > max_len]
         if not long:
             return seqs
-        msg = (f"{len(long)} sequence(s) longer than max_model_len - 1 = {max_len} tokens "
-               f"(indices {long[:10]}{'...' if len(long) > 10 else ''})")
+        msg = (
+            f"{len(long)} sequence(s) longer than max_model_len - 1 = {max_len} tokens "
+            f"(indices {long[:10]}{'...' if len(long) > 10 else ''})"
+        )
         if self.on_overlength == "error":
             raise ValueError(msg + "; raise max_model_len or shorten them")
         logger.warning("speculators_compat: %s: truncated to %d tokens, as upstream does", msg, max_len)
@@ -219,9 +252,19 @@ def _check_devices(tp: int) -> None:
         if tp > n:
             raise ValueError(f"tensor_parallel_size={tp} but only {n} CUDA device(s) are visible")
     elif tp > (os.cpu_count() or 1):
-        raise ValueError(f"tensor_parallel_size={tp} but this CPU-only machine has {os.cpu_count()} cores "
-                         "(vLLM's CPU backend binds one worker per core group)")
+        raise ValueError(
+            f"tensor_parallel_size={tp} but this CPU-only machine has {os.cpu_count()} cores "
+            "(vLLM's CPU backend binds one worker per core group)"
+        )
 
 
-__all__ = ["VllmHiddenStatesGenerator", "default_layer_ids", "normalize_layer_ids", "read_num_layers",
-           "to_token_lists", "CaptureError", "CheckpointError", "TokenIdError"]
+__all__ = [
+    "VllmHiddenStatesGenerator",
+    "default_layer_ids",
+    "normalize_layer_ids",
+    "read_num_layers",
+    "to_token_lists",
+    "CaptureError",
+    "CheckpointError",
+    "TokenIdError",
+]

@@ -7,6 +7,7 @@ watches the modules the patches target (``TRIGGERS``), and only when one of them
 (which does the wrapping) and packaging (version checks). ``SPECULATORS_COMPAT_DISABLE=1`` turns
 everything off.
 """
+
 from __future__ import annotations
 
 import _thread
@@ -17,14 +18,16 @@ from . import envs
 DISABLE_ENV = "SPECULATORS_COMPAT_DISABLE"
 
 #: every patch's target module (``Patch.module``); a unit test keeps this equal to the registry's
-TRIGGERS = frozenset({
-    "transformers",
-    "transformers.configuration_utils",
-    "vllm.v1.core.kv_cache_utils",
-    "vllm.v1.core.sched.scheduler",
-    "speculators.data_generation.vllm_hidden_states_generator",
-    "speculators.data_generation.custom_worker",
-})
+TRIGGERS = frozenset(
+    {
+        "transformers",
+        "transformers.configuration_utils",
+        "vllm.v1.core.kv_cache_utils",
+        "vllm.v1.core.sched.scheduler",
+        "speculators.data_generation.vllm_hidden_states_generator",
+        "speculators.data_generation.custom_worker",
+    }
+)
 
 _lock = _thread.RLock()
 _finder = None
@@ -112,7 +115,9 @@ def _warn_if_untested(patch) -> None:
             f"speculators_compat: vLLM {versions.installed('vllm')} is newer than the tested range "
             f"{versions.TESTED_VLLM}; only feature-probed patches are applied. Check "
             "`speculators-compat doctor` and verify a sample against HF before a long run.",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def install() -> bool:

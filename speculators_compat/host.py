@@ -1,5 +1,6 @@
 """Facts about this host that the engine and the pipeline size themselves by. Importing this
 module imports nothing heavy; ``cuda_device_count`` imports torch only when called."""
+
 from __future__ import annotations
 
 import os

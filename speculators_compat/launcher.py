@@ -12,6 +12,7 @@ command (``exec``: same pid, signals and exit status go straight to it).
 
 Not reached: an interpreter started with ``-S`` (no site) or ``-I`` / ``-E`` (``PYTHONPATH`` ignored).
 """
+
 from __future__ import annotations
 
 import os

@@ -12,13 +12,15 @@ default ids, and the two conventions.
 Upstream's default ids are ``[2, n//2, n-3, n-1]`` (Kimi-K2.5, n=61: ``[2, 30, 58, 60]``), which are
 vLLM native ``[3, 31, 59, 61]``.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Sequence
 from numbers import Integral
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 
 def read_num_layers(model_path: str, trust_remote_code: bool = False) -> int:
@@ -43,8 +45,10 @@ def read_num_layers(model_path: str, trust_remote_code: bool = False) -> int:
         tget = (lambda k, d=None: getattr(t, k, d)) if t is not None else (lambda k, d=None: d)  # noqa: E731
     n = get("num_hidden_layers") or tget("num_hidden_layers")
     if not n:
-        raise ValueError(f"cannot determine the number of decoder layers of {model_path} "
-                         "(no num_hidden_layers in its config or text_config)")
+        raise ValueError(
+            f"cannot determine the number of decoder layers of {model_path} "
+            "(no num_hidden_layers in its config or text_config)"
+        )
     return int(n)
 
 
@@ -52,8 +56,9 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3, num_layers - 1]
 
 
-def normalize_layer_ids(layer_ids: Sequence[int] | None, num_layers: int, convention: str = "upstream",
-                        allow_duplicates: bool = False) -> list[int]:
+def normalize_layer_ids(
+    layer_ids: Sequence[int] | None, num_layers: int, convention: str = "upstream", allow_duplicates: bool = False
+) -> list[int]:
     """Validate ids and convert them to upstream's convention (output of decoder layer L)."""
     if convention not in ("upstream", "eagle3"):
         raise ValueError(f"layer_id_convention must be 'upstream' or 'eagle3', not {convention!r}")
@@ -74,8 +79,9 @@ def normalize_layer_ids(layer_ids: Sequence[int] | None, num_layers: int, conven
     if convention == "eagle3":
         bad = [i for i in ids if not 1 <= i <= num_layers]
         if bad:
-            raise ValueError(f"eagle3 layer ids {bad} out of range [1, {num_layers}] (id 0, the "
-                             "embeddings, is not captured)")
+            raise ValueError(
+                f"eagle3 layer ids {bad} out of range [1, {num_layers}] (id 0, the embeddings, is not captured)"
+            )
         return [i - 1 for i in ids]
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:

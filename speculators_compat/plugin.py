@@ -4,6 +4,7 @@ vLLM calls ``load_general_plugins()`` in every process it starts (engine core, e
 fork and spawn) before work begins, so this is how worker-side patches reach workers without any
 driver state. vLLM may call it several times per process: ``install()`` is idempotent.
 """
+
 from __future__ import annotations
 
 

@@ -12,6 +12,7 @@ A patch declares
     original stays on ``__wrapped__`` and revert is identity-checked;
   * ``risk`` and ``test``: what breaks if vLLM changes the target, and the test that proves it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -77,8 +78,10 @@ class Patch:
         """Wrap ``owner.attr`` with a wrapt wrapper ``(wrapped, instance, args, kwargs)``."""
         original = getattr(owner, attr, None)
         if original is None:
-            raise PatchTargetError(f"patch {self.name}: {getattr(owner, '__name__', owner)}.{attr} is "
-                                   f"missing in {self.package} {versions.installed(self.package)}")
+            raise PatchTargetError(
+                f"patch {self.name}: {getattr(owner, '__name__', owner)}.{attr} is "
+                f"missing in {self.package} {versions.installed(self.package)}"
+            )
         if is_ours(original) == self.name:
             return
         own = vars(owner) if isinstance(owner, type) else {}
@@ -92,6 +95,7 @@ class Patch:
         """Put ``fn(instance, *args, **kwargs)`` in place of each ``cls.<name>`` of ``replacements``
         (wrapped, so unpatch restores the originals)."""
         for attr, fn in replacements.items():
+
             def wrapper(wrapped, instance, args, kwargs, fn=fn):
                 return fn(instance, *args, **kwargs)
 
@@ -107,8 +111,12 @@ class Patch:
                 else:
                     setattr(owner, attr, raw)
             else:
-                logger.warning("patch %s: %s.%s was re-wrapped by someone else; leaving it", self.name,
-                               getattr(owner, "__name__", owner), attr)
+                logger.warning(
+                    "patch %s: %s.%s was re-wrapped by someone else; leaving it",
+                    self.name,
+                    getattr(owner, "__name__", owner),
+                    attr,
+                )
         self._originals.clear()
 
     # -- life cycle -----------------------------------------------------------
@@ -135,8 +143,14 @@ class Patch:
                 need = self.needed(module)
             except Exception as e:  # a probe that cannot even look means the target changed
                 self.state = PatchState(False, False, f"probe failed: {type(e).__name__}: {e}")
-                logger.warning("speculators_compat: patch %s: cannot probe %s (%s %s): %s", self.name,
-                               self.module, self.package, versions.installed(self.package), e)
+                logger.warning(
+                    "speculators_compat: patch %s: cannot probe %s (%s %s): %s",
+                    self.name,
+                    self.module,
+                    self.package,
+                    versions.installed(self.package),
+                    e,
+                )
                 return
             if need is None:
                 self.state = PatchState(False, False, f"{why}, but the installed code does not need it")
@@ -163,13 +177,22 @@ class Patch:
         return self.state.applied
 
     def report(self) -> dict:
-        return {"name": self.name, "module": self.module, "targets": list(self.targets),
-                "package": self.package, "versions": self.versions, "process": self.process,
-                "applies": self.state.applies, "applied": self.state.applied, "reason": self.state.reason,
-                "risk": self.risk, "test": self.test, "description": self.description}
+        return {
+            "name": self.name,
+            "module": self.module,
+            "targets": list(self.targets),
+            "package": self.package,
+            "versions": self.versions,
+            "process": self.process,
+            "applies": self.state.applies,
+            "applied": self.state.applied,
+            "reason": self.state.reason,
+            "risk": self.risk,
+            "test": self.test,
+            "description": self.description,
+        }
 
 
 def is_ours(obj: Any) -> str | None:
     """Name of the patch that wrapped ``obj``, if any."""
     return getattr(obj, SENTINEL, None)
-

@@ -1,6 +1,6 @@
 """``speculators_compat.status()`` and the text ``speculators-compat doctor`` prints."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 from . import hooks, versions
 
@@ -28,13 +28,17 @@ def build_status(probe_engine: bool = False) -> dict:
 
 
 def format_status(st: dict) -> str:
-    lines = [f"speculators-compat {st['speculators_compat']}  "
-             f"({'enabled' if st['enabled'] else 'DISABLED'}{' by SPECULATORS_COMPAT_DISABLE' if st['disabled_by_env'] else ''})"]
+    lines = [
+        f"speculators-compat {st['speculators_compat']}  "
+        f"({'enabled' if st['enabled'] else 'DISABLED'}{' by SPECULATORS_COMPAT_DISABLE' if st['disabled_by_env'] else ''})"
+    ]
     for k, v in st["versions"].items():
         lines.append(f"  {k:<13} {v or 'not installed'}")
     tested = st["vllm_tested"]
-    lines.append(f"  vLLM tested range {st['vllm_tested_range']}: "
-                 + {True: "yes", False: "NO (untested: only feature-probed patches apply)", None: "n/a"}[tested])
+    lines.append(
+        f"  vLLM tested range {st['vllm_tested_range']}: "
+        + {True: "yes", False: "NO (untested: only feature-probed patches apply)", None: "n/a"}[tested]
+    )
     lines.append("")
     lines.append(f"  {'patch':<30} {'applies':<8} {'applied':<8} reason")
     for p in st["patches"]:

@@ -9,6 +9,7 @@ shut the engine down and the files already written stay complete; ``interrupted(
 message and exit status for it. Library users who drive the generator from their own script may
 call ``handle_termination()`` too; it leaves alone a handler the program installed itself.
 """
+
 from __future__ import annotations
 
 import signal

@@ -3,10 +3,11 @@
 A nightly such as ``0.16.0rc2.dev123+gabc`` counts as ``0.16.0``: patches are declared against
 releases, and a pre-release of X carries X's internals far more often than the previous release's.
 """
+
 from __future__ import annotations
 
 import sys
-from functools import lru_cache
+from functools import cache
 from importlib import metadata
 
 from packaging.specifiers import SpecifierSet
@@ -36,7 +37,7 @@ def base_version(v: str | Version | None) -> Version | None:
         return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _dist_version(package: str) -> str | None:
     for dist in _DISTS.get(package, (package,)):
         try:

@@ -4,6 +4,7 @@ The real-engine tests (tests/engine) run the same code inside vLLM workers; thes
 edge cases an engine run rarely reaches: growth in the middle of a batch, a full /dev/shm, rows of
 requests that are not ours in the middle of a step.
 """
+
 import errno
 import glob
 import os
@@ -229,7 +230,6 @@ def _filled_arena(prefix, hidden, dtype, rows_per_block, seed=5):
 def test_lent_tensor_is_exactly_its_block_and_busy_until_every_view_dies(prefix, tmp_path):
     import gc
 
-
     hidden, dtype = 256, torch.bfloat16
     a, blocks = _filled_arena(prefix, hidden, dtype, [7, 5])
     r = handoff.ArenaReader(threads=1, lend=True)
@@ -263,7 +263,6 @@ def test_rows_dropped_into_an_old_garbage_cycle_come_back(prefix):
     young-generation collection cannot free it, so busy() runs a full collection, spaced so it
     costs at most 1/FULL_GC_SPACING of the time."""
     import gc
-
 
     hidden, dtype = 32, torch.float32
     a, blocks = _filled_arena(prefix, hidden, dtype, [4])
@@ -327,7 +326,7 @@ def test_free_slabs_kept_up_to_the_recent_peak_then_released(prefix, monkeypatch
     a.prepare(1 << 20)  # all returned: the recent peak (6 in use) is kept for the next batches
     assert len(a.slabs) == 5
     for _ in range(3 * arena_mod.Arena.RECENT):  # many quick batches holding nothing, within KEEP_S:
-        clock[0] += 0.1                    # the peak stays (a write queue needs those slabs again)
+        clock[0] += 0.1  # the peak stays (a write queue needs those slabs again)
         a.prepare(1 << 20)
     assert len(a.slabs) == 5 and a._n == 5
     clock[0] += a.keep_s + 1  # and then older than both windows: back to the spare count
@@ -355,7 +354,6 @@ def test_sweep_removes_only_files_of_engines_that_are_gone(tmp_path):
     import subprocess
     import sys
 
-
     d = str(tmp_path)
     dead = os.path.join(d, "speculators-compat-0000dead-")
     live = os.path.join(d, "speculators-compat-0000a11e-")
@@ -365,26 +363,46 @@ def test_sweep_removes_only_files_of_engines_that_are_gone(tmp_path):
     (tmp_path / "speculators-compat-00001e9a-arena1").write_bytes(b"x")  # no lock file (older release)
     (tmp_path / "unrelated").write_bytes(b"x")
     # the dead engine held its lock in a process that has exited
-    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[2]); "
-                    "from speculators_compat.engine import handoff; handoff.hold_handoff_lock(sys.argv[1])",
-                    dead, os.getcwd()], check=True)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[2]); "
-                               "from speculators_compat.engine import handoff; handoff.hold_handoff_lock(sys.argv[1]); "
-                               "print('held', flush=True); time.sleep(60)", live, os.getcwd()],
-                              stdout=subprocess.PIPE, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[2]); "
+            "from speculators_compat.engine import handoff; handoff.hold_handoff_lock(sys.argv[1])",
+            dead,
+            os.getcwd(),
+        ],
+        check=True,
+    )
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[2]); "
+            "from speculators_compat.engine import handoff; handoff.hold_handoff_lock(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(60)",
+            live,
+            os.getcwd(),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         removed = handoff.sweep_stale_handoff_files(d)
         assert sorted(removed) == sorted(os.path.basename(dead) + x for x in ("arena1", "arena2", "lock"))
-        assert sorted(os.listdir(d)) == sorted([os.path.basename(live) + x for x in ("arena1", "arena2", "lock")]
-                                               + ["speculators-compat-00001e9a-arena1", "unrelated"])
+        assert sorted(os.listdir(d)) == sorted(
+            [os.path.basename(live) + x for x in ("arena1", "arena2", "lock")]
+            + ["speculators-compat-00001e9a-arena1", "unrelated"]
+        )
         with pytest.raises(OSError):  # and a second engine cannot take a live engine's lock
             handoff.hold_handoff_lock(live)
     finally:
         holder.kill()
         holder.wait()
-    assert sorted(handoff.sweep_stale_handoff_files(d)) == sorted(os.path.basename(live) + x
-                                                               for x in ("arena1", "arena2", "lock"))
+    assert sorted(handoff.sweep_stale_handoff_files(d)) == sorted(
+        os.path.basename(live) + x for x in ("arena1", "arena2", "lock")
+    )
 
 
 def test_no_collection_while_the_worker_has_a_free_slab(prefix):
@@ -392,7 +410,6 @@ def test_no_collection_while_the_worker_has_a_free_slab(prefix):
     nobody holds, busy() collects nothing (the rows held by a garbage cycle stay counted busy);
     once every slab the worker has is busy, it collects and the garbage's slab comes back."""
     import gc
-
 
     hidden, dtype = 32, torch.float32
     a, blocks = _filled_arena(prefix, hidden, dtype, [4])

@@ -7,10 +7,10 @@ step that *returns* its batch runs, which can be after the scheduler has nothing
 What it checks is our loop: it keeps stepping while batches are in flight, and it stops (with a
 clear error) when nothing progresses. The real thing runs on the H200 (docs/gpu-results.md).
 """
+
 from collections import deque
 
 import pytest
-
 
 from speculators_compat.engine.config import resolve_async
 from speculators_compat.engine.core import ExtractionEngine

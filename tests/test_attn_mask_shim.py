@@ -1,6 +1,7 @@
 """The transformers_attn_mask_utils shim: equal to transformers' own function where it still exists,
 and importable under the old name when it does not (simulated: the module removed from this
 transformers, as in 5.24)."""
+
 import importlib.util
 import sys
 

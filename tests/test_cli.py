@@ -1,4 +1,5 @@
 """The command line: doctor (no engine needed), plan, and argument errors."""
+
 import json
 import subprocess
 import sys
@@ -12,8 +13,9 @@ def cli(*args, env=None):
 
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "speculators_compat.cli", *args], capture_output=True, text=True,
-                          env=e, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "speculators_compat.cli", *args], capture_output=True, text=True, env=e, cwd=ROOT
+    )
 
 
 def test_doctor_text_and_json():
@@ -32,8 +34,22 @@ def test_doctor_when_disabled():
 
 
 def test_plan_kimi_k25_on_8_gpus():
-    r = cli("plan", "--model", "examples/kimi_k25", "--tensor-parallel-size", "8", "--gpu-memory-gib", "141",
-            "--max-num-batched-tokens", "8192", "--num-samples", "100000", "--avg-tokens", "4096", "--json")
+    r = cli(
+        "plan",
+        "--model",
+        "examples/kimi_k25",
+        "--tensor-parallel-size",
+        "8",
+        "--gpu-memory-gib",
+        "141",
+        "--max-num-batched-tokens",
+        "8192",
+        "--num-samples",
+        "100000",
+        "--avg-tokens",
+        "4096",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     # published: ~1.03T parameters, INT4 checkpoint ~595 GB; 7168 x 4 layers x 2 B = 57,344 B/token
@@ -63,8 +79,20 @@ def test_plan_of_a_text_model_has_no_vision_note(tmp_path):
 def test_plan_sizes_the_host_handoff_from_the_largest_batch(tmp_path):
     lengths = [10, 3000, 20, 30, 40, 50, 5]  # batches of 3: 3030 (3000 capped at 2047: 2077), 120, 5
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": [1] * n}) + "\n" for n in lengths))
-    r = cli("plan", "--model", "examples/kimi_k25", "--input", str(tmp_path / "in.jsonl"), "--batch-size", "3",
-            "--queue-size", "1", "--max-model-len", "2048", "--json")
+    r = cli(
+        "plan",
+        "--model",
+        "examples/kimi_k25",
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--batch-size",
+        "3",
+        "--queue-size",
+        "1",
+        "--max-model-len",
+        "2048",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     assert p["handoff_batch_tokens"] == 10 + 2047 + 20
@@ -80,9 +108,15 @@ def test_bad_cli_arguments():
     assert r.returncode != 0 and "--shard-size: expected an integer >= 1, not '0'" in r.stderr
     r = cli("extract", "--model", "x", "--input", "y", "--output", "z", "--shard-size", "4")  # default: pt
     assert r.returncode == 2 and "--shard-size 4 needs --format safetensors" in r.stderr
-    for flag, value, least in [("--max-model-len", "1", 2), ("--tensor-parallel-size", "0", 1),
-                               ("--max-num-seqs", "0", 1), ("--max-num-batched-tokens", "-5", 1),
-                               ("--batch-size", "0", 1), ("--queue-size", "0", 1), ("--max-samples", "-1", 0)]:
+    for flag, value, least in [
+        ("--max-model-len", "1", 2),
+        ("--tensor-parallel-size", "0", 1),
+        ("--max-num-seqs", "0", 1),
+        ("--max-num-batched-tokens", "-5", 1),
+        ("--batch-size", "0", 1),
+        ("--queue-size", "0", 1),
+        ("--max-samples", "-1", 0),
+    ]:
         r = cli("extract", "--model", "x", "--input", "y", "--output", "z", flag, value)
         assert r.returncode == 2 and f"{flag}: expected an integer >= {least}, not '{value}'" in r.stderr, r.stderr
     for value in ("0", "1.5", "x"):

@@ -1,5 +1,6 @@
 """speculators_compat.pipeline.crc: the CRC-32 of a file from its pieces' CRCs must be zlib's CRC-32
 of the whole file, for every split, and a piece whose CRC is given must not be read again."""
+
 import os
 import random
 import zlib
@@ -29,8 +30,10 @@ def test_lengths_past_32_bits_of_bit_count():
 def test_of_parts_with_known_crcs_equals_zlib_over_the_file():
     rng = random.Random(1)
     for i in range(50):
-        parts = [rng.randbytes(rng.choice([0, 30, crc.COMBINE_FROM - 1, crc.COMBINE_FROM, 200_000]))
-                 for _ in range(rng.randint(1, 8))]
+        parts = [
+            rng.randbytes(rng.choice([0, 30, crc.COMBINE_FROM - 1, crc.COMBINE_FROM, 200_000]))
+            for _ in range(rng.randint(1, 8))
+        ]
         known = {j: zlib.crc32(p) for j, p in enumerate(parts) if rng.random() < 0.7}
         views = [memoryview(p) for p in parts]
         assert crc.of_parts(views, known) == zlib.crc32(b"".join(parts)), i

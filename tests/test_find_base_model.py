@@ -1,4 +1,5 @@
 """Decoder discovery for the model layouts vLLM uses (text models and VLM wrappers)."""
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -45,8 +46,9 @@ class Broken(nn.Module):
         self.backbone = Decoder()
 
 
-@pytest.mark.parametrize("cls,path", [(TextModel, "model"), (KimiK25_015, "language_model"),
-                                      (KimiK25_016, "language_model.model")])
+@pytest.mark.parametrize(
+    "cls,path", [(TextModel, "model"), (KimiK25_015, "language_model"), (KimiK25_016, "language_model.model")]
+)
 def test_layouts(cls, path):
     m = cls()
     want = m

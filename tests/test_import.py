@@ -1,4 +1,5 @@
 """``import speculators_compat`` is cheap and pulls in neither vLLM nor torch nor transformers."""
+
 import json
 import subprocess
 import sys

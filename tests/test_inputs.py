@@ -1,19 +1,23 @@
 """Bad input gets a clear error that names the problem (no engine needed)."""
+
 import pytest
 
 from speculators_compat.generator import default_layer_ids, normalize_layer_ids, to_token_lists
 
 
-@pytest.mark.parametrize("batch,exc,text", [
-    ([], ValueError, "cannot be empty"),
-    ([[1, 2], []], ValueError, "sequence 1 is empty"),
-    ([[1, 2.5]], TypeError, "non-integer token 2.5"),
-    ([[1, "a"]], TypeError, "non-integer token 'a'"),
-    ([[1, True]], TypeError, "non-integer"),
-    ([[1, -4]], ValueError, "negative token id -4"),
-    ("hello", TypeError, "list of token-id lists"),
-    ([5, 6], TypeError, "sequence 0 must be a list"),
-])
+@pytest.mark.parametrize(
+    "batch,exc,text",
+    [
+        ([], ValueError, "cannot be empty"),
+        ([[1, 2], []], ValueError, "sequence 1 is empty"),
+        ([[1, 2.5]], TypeError, "non-integer token 2.5"),
+        ([[1, "a"]], TypeError, "non-integer token 'a'"),
+        ([[1, True]], TypeError, "non-integer"),
+        ([[1, -4]], ValueError, "negative token id -4"),
+        ("hello", TypeError, "list of token-id lists"),
+        ([5, 6], TypeError, "sequence 0 must be a list"),
+    ],
+)
 def test_bad_batches(batch, exc, text):
     with pytest.raises(exc, match=text):
         to_token_lists(batch)
@@ -24,8 +28,11 @@ def test_token_ids_checked_against_the_vocabulary():
     from speculators_compat.errors import TokenIdError
 
     assert to_token_lists([[0, 1023], [5]], vocab_size=1024) == [[0, 1023], [5]]
-    with pytest.raises(TokenIdError, match=r"sequence 1 holds token id 1024, outside the model's "
-                                           r"vocabulary of 1024 ids \[0, 1023\]") as e:
+    with pytest.raises(
+        TokenIdError,
+        match=r"sequence 1 holds token id 1024, outside the model's "
+        r"vocabulary of 1024 ids \[0, 1023\]",
+    ) as e:
         to_token_lists([[0, 1023], [5, 1024, 2]], vocab_size=1024)
     assert (e.value.seq, e.value.token, e.value.vocab) == (1, 1024, 1024)
     assert e.value.message("sample 17").startswith("sample 17 holds token id 1024")
@@ -38,7 +45,7 @@ def test_token_ids_checked_against_the_vocabulary():
         check_token_ids([[1], [2], [3, 5000]], 1024)
     with pytest.raises(TokenIdError, match="sequence 0 holds a negative token id -4"):
         check_token_ids([[-4, 5000]], 1024)
-    check_token_ids([[1, 10 ** 9]], None)  # vocabulary unknown: sign only
+    check_token_ids([[1, 10**9]], None)  # vocabulary unknown: sign only
 
 
 def test_tensor_batches():
@@ -76,15 +83,18 @@ def test_numpy_batches():
     assert all(type(i) is int for i in normalize_layer_ids([np.int64(2)], 6))
 
 
-@pytest.mark.parametrize("ids,exc,text", [
-    ([], ValueError, "empty"),
-    ([1, 1], ValueError, "duplicate layer ids \\[1\\]"),
-    ([-1], ValueError, "out of bounds"),
-    ([6], ValueError, "out of bounds \\[0, 5\\]"),
-    ([1.0], TypeError, "integers"),
-    (3, TypeError, "layer_ids must be a list of integers, not int"),
-    ("2", TypeError, "layer_ids must be a list of integers, not str"),
-])
+@pytest.mark.parametrize(
+    "ids,exc,text",
+    [
+        ([], ValueError, "empty"),
+        ([1, 1], ValueError, "duplicate layer ids \\[1\\]"),
+        ([-1], ValueError, "out of bounds"),
+        ([6], ValueError, "out of bounds \\[0, 5\\]"),
+        ([1.0], TypeError, "integers"),
+        (3, TypeError, "layer_ids must be a list of integers, not int"),
+        ("2", TypeError, "layer_ids must be a list of integers, not str"),
+    ],
+)
 def test_bad_layer_ids(ids, exc, text):
     with pytest.raises(exc, match=text):
         normalize_layer_ids(ids, 6)

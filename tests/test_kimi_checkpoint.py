@@ -1,5 +1,6 @@
 """The Kimi-K2.5-layout test checkpoints (speculators_compat.testing.kimi): the INT4 experts must be
 stored exactly as compressed-tensors stores them, or the GPU run would prove nothing."""
+
 import json
 import re
 
@@ -13,8 +14,10 @@ from speculators_compat.testing import kimi  # noqa: E402
 
 def _ct_pack():
     ct = pytest.importorskip("compressed_tensors")
-    for mod in ("compressed_tensors.compressors.pack_quantized.helpers",
-                "compressed_tensors.compressors.quantized_compressors.pack_quantized"):
+    for mod in (
+        "compressed_tensors.compressors.pack_quantized.helpers",
+        "compressed_tensors.compressors.quantized_compressors.pack_quantized",
+    ):
         try:
             m = __import__(mod, fromlist=["pack_to_int32"])
             return m.pack_to_int32, m.unpack_from_int32

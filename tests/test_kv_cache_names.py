@@ -2,6 +2,7 @@
 ``kv_cache_utils`` lost three helpers to ``kv_cache_planning``, and 0.11-0.32's, where it has them.
 The real-engine side (upstream's import failing without the patch on vLLM 0.33) is
 tests/engine/test_patches_engine.py::test_kv_cache_names_patch."""
+
 import importlib
 import importlib.machinery
 import logging
@@ -35,8 +36,10 @@ def _helpers():
     def unify_hybrid_kv_cache_specs(kv_cache_spec):
         return None
 
-    return {f.__name__: f for f in (_get_kv_cache_groups_uniform_spec, get_kv_cache_config_from_groups,
-                                     unify_hybrid_kv_cache_specs)}
+    return {
+        f.__name__: f
+        for f in (_get_kv_cache_groups_uniform_spec, get_kv_cache_config_from_groups, unify_hybrid_kv_cache_specs)
+    }
 
 
 @pytest.fixture
@@ -62,8 +65,11 @@ def test_moved_names_import_from_the_old_module(layout):
     assert p.is_applied(), p.state.reason
     assert "get_kv_cache_config_from_groups" in p.state.reason
     ns = {}
-    exec(f"from {UTILS} import _get_kv_cache_groups_uniform_spec, get_kv_cache_config_from_groups, "
-         "unify_hybrid_kv_cache_specs", ns)
+    exec(
+        f"from {UTILS} import _get_kv_cache_groups_uniform_spec, get_kv_cache_config_from_groups, "
+        "unify_hybrid_kv_cache_specs",
+        ns,
+    )
     for name in MOVED:
         assert ns[name] is helpers[name]  # the real function, not a copy
     assert ns["get_kv_cache_config_from_groups"](None, [], 7) == ["config", 7]

@@ -1,12 +1,13 @@
 """Pipeline pieces without an engine: dataset parsing errors, output-dir guards, writer failures."""
+
 import io
 import json
 import os
 
 import pytest
 
-from speculators_compat.pipeline.dataset import DatasetError, open_dataset
 from speculators_compat.errors import OutputError
+from speculators_compat.pipeline.dataset import DatasetError, open_dataset
 from speculators_compat.pipeline.outdir import OutputDir
 
 
@@ -16,8 +17,7 @@ def write_jsonl(path, rows):
 
 
 def test_jsonl_ok(tmp_path):
-    f = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, "",
-                                            {"input_ids": [4]}])
+    f = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, "", {"input_ids": [4]}])
     got = list(open_dataset(f))
     assert [(s.index, s.input_ids, s.loss_mask) for s in got] == [(0, [1, 2, 3], [0, 1, 1]), (1, [4], None)]
 
@@ -32,18 +32,23 @@ def test_jsonl_with_a_byte_order_mark_and_crlf(tmp_path):
         list(open_dataset(f))
 
 
-@pytest.mark.parametrize("line,text", [
-    ('{"input_ids": [1, 2', "d.jsonl:2: malformed JSON"),
-    ('{"ids": [1]}', "d.jsonl:2: input_ids must be a non-empty list"),
-    ('{"input_ids": []}', "non-empty"),
-    ('{"input_ids": [1, -2]}', "holds -2"),
-    ('{"input_ids": [1, "x"]}', "holds 'x'"),
-    ('{"input_ids": [1, 2], "loss_mask": [1]}', "as long as input_ids"),
-    ('{"input_ids": [1, 2], "loss_mask": [1, 7]}', "0/1"),
-    ('[1, 2, 3]', "expected an object"),
-    ('{"conversations": [{"from": "human", "value": "hi"}]}', "this sample has conversations: the input must "
-                                                              "be tokenized already"),
-])
+@pytest.mark.parametrize(
+    "line,text",
+    [
+        ('{"input_ids": [1, 2', "d.jsonl:2: malformed JSON"),
+        ('{"ids": [1]}', "d.jsonl:2: input_ids must be a non-empty list"),
+        ('{"input_ids": []}', "non-empty"),
+        ('{"input_ids": [1, -2]}', "holds -2"),
+        ('{"input_ids": [1, "x"]}', "holds 'x'"),
+        ('{"input_ids": [1, 2], "loss_mask": [1]}', "as long as input_ids"),
+        ('{"input_ids": [1, 2], "loss_mask": [1, 7]}', "0/1"),
+        ("[1, 2, 3]", "expected an object"),
+        (
+            '{"conversations": [{"from": "human", "value": "hi"}]}',
+            "this sample has conversations: the input must be tokenized already",
+        ),
+    ],
+)
 def test_jsonl_errors_name_the_line(tmp_path, line, text):
     f = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1]}, line])
     with pytest.raises(DatasetError, match=text):
@@ -75,11 +80,13 @@ def _saved_derived_dataset(tmp_path):
     """A dataset as users make one: loaded from JSON (so its info records 50 examples), shuffled,
     cut to 10 by ``select``, mapped, and saved in two shards by ``datasets`` itself."""
     datasets = pytest.importorskip("datasets")
-    raw = write_jsonl(tmp_path / "raw.jsonl", [{"input_ids": [1, 2, i], "loss_mask": [0, 1, i % 2]}
-                                               for i in range(50)])
+    raw = write_jsonl(tmp_path / "raw.jsonl", [{"input_ids": [1, 2, i], "loss_mask": [0, 1, i % 2]} for i in range(50)])
     d = datasets.load_dataset("json", data_files=str(raw), split="train", cache_dir=str(tmp_path / "cache"))
-    d = d.shuffle(seed=0).select(range(10)).map(lambda e: {"input_ids": e["input_ids"] + [7],
-                                                           "loss_mask": e["loss_mask"] + [1]})
+    d = (
+        d.shuffle(seed=0)
+        .select(range(10))
+        .map(lambda e: {"input_ids": e["input_ids"] + [7], "loss_mask": e["loss_mask"] + [1]})
+    )
     d.save_to_disk(str(tmp_path / "saved"), num_shards=2)
     return datasets, tmp_path / "saved"
 
@@ -95,7 +102,7 @@ def test_dataset_saved_by_datasets_reads_as_datasets_does(tmp_path):
 def test_saved_dataset_is_counted_from_its_rows_not_its_info(tmp_path):
     # dataset_info.json still says 50 (the JSON file's split): the progress bar's total and the
     # short-last-shard decision on resume were taken from it
-    from speculators_compat.pipeline.extract import count_samples
+    from speculators_compat.pipeline.reading import count_samples
 
     _, saved = _saved_derived_dataset(tmp_path)
     assert json.loads((saved / "dataset_info.json").read_text())["splits"]["train"]["num_examples"] == 50
@@ -120,12 +127,15 @@ def test_saved_dataset_dict_names_its_splits(tmp_path):
         open_dataset(tmp_path / "dd")
 
 
-@pytest.mark.parametrize("state,text", [
-    ("{not json", "not a saved dataset's state file"),
-    ('{"_data_files": [{"name": "x"}]}', "not a saved dataset's state file"),
-    ('{"_data_files": []}', "lists no data files"),
-    ('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}', "not there: data-00000-of-00001.arrow"),
-])
+@pytest.mark.parametrize(
+    "state,text",
+    [
+        ("{not json", "not a saved dataset's state file"),
+        ('{"_data_files": [{"name": "x"}]}', "not a saved dataset's state file"),
+        ('{"_data_files": []}', "lists no data files"),
+        ('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}', "not there: data-00000-of-00001.arrow"),
+    ],
+)
 def test_broken_saved_dataset_is_refused_before_any_sample(tmp_path, state, text):
     (tmp_path / "state.json").write_text(state)
     with pytest.raises(DatasetError, match=text):
@@ -134,7 +144,7 @@ def test_broken_saved_dataset_is_refused_before_any_sample(tmp_path, state, text
 
 def test_damaged_arrow_file_is_named(tmp_path):
     pytest.importorskip("pyarrow")
-    from speculators_compat.pipeline.extract import count_samples
+    from speculators_compat.pipeline.reading import count_samples
 
     (tmp_path / "data-00000-of-00001.arrow").write_bytes(b"\xff\xff\xff\xff not arrow at all" * 4)
     (tmp_path / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
@@ -150,8 +160,14 @@ def finished_file(root, name: str, data: bytes, index: int | None = None) -> Non
 
     p = root / name
     p.write_bytes(data)
-    rec = {"index": int(name.split("_")[1].split(".")[0]) if index is None else index, "file": name,
-           "bytes": len(data), "tokens": 1, "crc32": f"{zlib.crc32(data):08x}", "mtime_ns": p.stat().st_mtime_ns}
+    rec = {
+        "index": int(name.split("_")[1].split(".")[0]) if index is None else index,
+        "file": name,
+        "bytes": len(data),
+        "tokens": 1,
+        "crc32": f"{zlib.crc32(data):08x}",
+        "mtime_ns": p.stat().st_mtime_ns,
+    }
     with open(root / "checksums.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 
@@ -235,8 +251,19 @@ def test_parallel_writer_writes_every_file_with_its_checksum(tmp_path, threads):
     out.prepare({"m": 1})
     bw = w.BackgroundWriter(out, queue_size=1, threads=threads)
     for b in range(4):
-        bw.put([(b * 5 + i, {"input_ids": torch.arange(3 + i), "hidden_states": [torch.full((3 + i, 8), float(i))],
-                             "loss_mask": torch.ones(3 + i, dtype=torch.long)}) for i in range(5)])
+        bw.put(
+            [
+                (
+                    b * 5 + i,
+                    {
+                        "input_ids": torch.arange(3 + i),
+                        "hidden_states": [torch.full((3 + i, 8), float(i))],
+                        "loss_mask": torch.ones(3 + i, dtype=torch.long),
+                    },
+                )
+                for i in range(5)
+            ]
+        )
     bw.close()
     recs = [json.loads(line) for line in (tmp_path / "checksums.jsonl").read_text().splitlines()]
     assert sorted(r["index"] for r in recs) == list(range(20))
@@ -275,8 +302,11 @@ def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch,
     from speculators_compat.pipeline import files as writer
 
     g = torch.Generator().manual_seed(rows)
-    sample = {"input_ids": torch.arange(rows), "loss_mask": torch.ones(rows, dtype=torch.long),
-              "hidden_states": [torch.randn(rows, 256, generator=g).bfloat16() for _ in range(2)]}
+    sample = {
+        "input_ids": torch.arange(rows),
+        "loss_mask": torch.ones(rows, dtype=torch.long),
+        "hidden_states": [torch.randn(rows, 256, generator=g).bfloat16() for _ in range(2)],
+    }
     got = {}
     for name, limit, pt_writer in [("memory", 1 << 40, "torch"), ("stream", 0, "torch"), ("direct", 0, "direct")]:
         monkeypatch.setattr(writer, "SMALL_SAMPLE_BYTES", limit)
@@ -311,8 +341,16 @@ def _lent_samples(tmp_path, n=6, rows=(3, 9, 1, 17, 5, 2), hidden=64, arena_byte
             b, off = arena.alloc(r * hidden * 2)
             arena.view(b, off, r, hidden, torch.bfloat16).copy_(torch.randn(r, hidden, generator=g))
             layers.append(reader.assemble([(arena.path(b), off, r)], hidden, torch.bfloat16))
-        items.append((i, {"input_ids": torch.arange(r) + i, "hidden_states": layers,
-                          "loss_mask": torch.ones(r, dtype=torch.long)}))
+        items.append(
+            (
+                i,
+                {
+                    "input_ids": torch.arange(r) + i,
+                    "hidden_states": layers,
+                    "loss_mask": torch.ones(r, dtype=torch.long),
+                },
+            )
+        )
     return arena, reader, items
 
 
@@ -328,8 +366,11 @@ def _write_with_both(tmp_path, items, reader, fmt="pt", split=3, workers=2):
     for kind in ("thread", "process"):
         out = OutputDir(tmp_path / kind, fmt)
         out.prepare({"m": 1})
-        bw = (w.ProcessWriter(out, reader.describe, queue_size=1, processes=workers) if kind == "process"
-              else BackgroundWriter(out, queue_size=1, threads=workers))
+        bw = (
+            w.ProcessWriter(out, reader.describe, queue_size=1, processes=workers)
+            if kind == "process"
+            else BackgroundWriter(out, queue_size=1, threads=workers)
+        )
         bw.put(items[:split])
         bw.put(items[split:])
         bw.close()
@@ -366,8 +407,10 @@ def test_a_layer_listed_twice_is_written_by_both_writers(tmp_path, fmt):
     format (found by the benchmark on the tiny Llama with the default ids)."""
     torch = pytest.importorskip("torch")
     arena, reader, items = _lent_samples(tmp_path)
-    items = [(i, {**s, "hidden_states": [s["hidden_states"][0], s["hidden_states"][1], s["hidden_states"][1]]})
-             for i, s in items]
+    items = [
+        (i, {**s, "hidden_states": [s["hidden_states"][0], s["hidden_states"][1], s["hidden_states"][1]]})
+        for i, s in items
+    ]
     got = _write_with_both(tmp_path, items, reader, fmt)
     assert got["process"][:2] == got["thread"][:2] and len(got["thread"][0]) == len(items)
     for i, s in items:
@@ -547,9 +590,17 @@ def test_default_writer_processes_leave_the_engine_its_cores(mocker):
     from speculators_compat.pipeline import procwriter
     from speculators_compat.pipeline.procwriter import default_writer_processes
 
-    cases = {(16, 1, True): 13, (16, 8, True): 6, (192, 8, True): 16, (4, 2, True): 2, (26, 8, True): 16,
-             (25, 8, True): 15,
-             (2, None, False): 2, (16, None, False): 8, (64, 8, False): 16}
+    cases = {
+        (16, 1, True): 13,
+        (16, 8, True): 6,
+        (192, 8, True): 16,
+        (4, 2, True): 2,
+        (26, 8, True): 16,
+        (25, 8, True): 15,
+        (2, None, False): 2,
+        (16, None, False): 8,
+        (64, 8, False): 16,
+    }
     for (cpus, tp, gpu), want in cases.items():
         mocker.patch.object(procwriter, "usable_cpus", return_value=cpus)
         mocker.patch.object(procwriter, "cuda_device_count", return_value=1 if gpu else 0)
@@ -570,17 +621,19 @@ def test_each_file_is_listed_with_the_chosen_checksum(tmp_path, kind, checksum, 
     keyed by its name, and no other; 'none' lists sizes only. Streamed and in-memory writes both."""
     import json
 
+    from speculators_compat.pipeline import files
     from speculators_compat.pipeline import procwriter as w
     from speculators_compat.pipeline.writers import BackgroundWriter
-
-    from speculators_compat.pipeline import files
 
     monkeypatch.setattr(files, "SMALL_SAMPLE_BYTES", 64 * 2 * 3 * 8)  # some samples stream, some do not
     arena, reader, items = _lent_samples(tmp_path)
     out = OutputDir(tmp_path / "out", "pt", checksum)
     out.prepare({"m": 1})
-    bw = (w.ProcessWriter(out, reader.describe, queue_size=1, processes=2) if kind == "process"
-          else BackgroundWriter(out, queue_size=1, threads=2))
+    bw = (
+        w.ProcessWriter(out, reader.describe, queue_size=1, processes=2)
+        if kind == "process"
+        else BackgroundWriter(out, queue_size=1, threads=2)
+    )
     bw.put(items[:3])
     bw.put(items[3:])
     bw.close()
@@ -668,8 +721,10 @@ def test_a_rerun_keeps_the_checksum_it_finds_unless_told(tmp_path):
     bw.close()
     manifest = again.finalize(2, {})
     assert manifest["checksum"] == "sha256"
-    assert all(r["sha256"] == _independent_digest("sha256", (tmp_path / "old" / r["file"]).read_bytes())
-               for r in manifest["files"])
+    assert all(
+        r["sha256"] == _independent_digest("sha256", (tmp_path / "old" / r["file"]).read_bytes())
+        for r in manifest["files"]
+    )
 
 
 @pytest.mark.parametrize("checksum", ["crc32", "sha256"])
@@ -683,8 +738,12 @@ def test_verify_finds_every_kind_of_damage(tmp_path, checksum, capsys):
     out = OutputDir(tmp_path, "pt", checksum)
     out.prepare({"m": 1})
     bw = w.BackgroundWriter(out, queue_size=1, threads=2)
-    bw.put([(i, {"input_ids": torch.arange(6), "hidden_states": [torch.randn(6, 16)],
-                 "loss_mask": torch.ones(6)}) for i in range(5)])
+    bw.put(
+        [
+            (i, {"input_ids": torch.arange(6), "hidden_states": [torch.randn(6, 16)], "loss_mask": torch.ones(6)})
+            for i in range(5)
+        ]
+    )
     bw.close()
     # before the manifest (checksums.jsonl): intact, but the run has not finished
     assert main(["verify", str(tmp_path)]) == 3

@@ -1,6 +1,7 @@
 """What ``extract`` checks before an engine starts: the output directory and its lock, the model's
 files, the whole input. No torch or vLLM needed: the checkpoints here are written by hand in the
 safetensors layout, and the engine's constructor is the seam: a test fails if it is reached."""
+
 import json
 import os
 import struct
@@ -10,19 +11,26 @@ import time
 
 import pytest
 
-from speculators_compat.checkpoint import (CheckpointError, check_checkpoint, describe_model_change,
-                                           fingerprint_checkpoint)
+from speculators_compat.checkpoint import (
+    CheckpointError,
+    check_checkpoint,
+    describe_model_change,
+    fingerprint_checkpoint,
+)
+from speculators_compat.errors import OutputError
 from speculators_compat.pipeline import extract
 from speculators_compat.pipeline.dataset import DatasetError, describe_input_change, scan_input
-from speculators_compat.errors import OutputError
 from speculators_compat.pipeline.outdir import OutputDir
 
 
 def safetensors_bytes(tensors: dict[str, bytes], shapes: dict[str, list[int]] | None = None) -> bytes:
     header, off = {}, 0
     for name, data in tensors.items():
-        header[name] = {"dtype": "F32", "shape": (shapes or {}).get(name, [len(data) // 4]),
-                        "data_offsets": [off, off + len(data)]}
+        header[name] = {
+            "dtype": "F32",
+            "shape": (shapes or {}).get(name, [len(data) // 4]),
+            "data_offsets": [off, off + len(data)],
+        }
         off += len(data)
     raw = json.dumps(header).encode()
     return struct.pack("<Q", len(raw)) + raw + b"".join(tensors.values())
@@ -32,8 +40,9 @@ def fake_model(d, weights: bytes | None = None, layers: int = 6):
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "vocab_size": 1024}))
     (d / "tokenizer.json").write_text("{}")
-    (d / "model.safetensors").write_bytes(weights if weights is not None else safetensors_bytes(
-        {"a": bytes(range(256)) * 1024, "b": b"\x01" * 4096}))
+    (d / "model.safetensors").write_bytes(
+        weights if weights is not None else safetensors_bytes({"a": bytes(range(256)) * 1024, "b": b"\x01" * 4096})
+    )
     return d
 
 
@@ -78,8 +87,13 @@ def test_an_empty_input_is_an_error_naming_the_file(tmp_path, no_engine, text, w
 def test_an_overlong_sample_with_on_overlength_error_is_named_before_the_engine(tmp_path, no_engine):
     rows = ROWS + [{"input_ids": [5] * 3000}]
     with pytest.raises(DatasetError, match=r"sample 12 has 3000 tokens; at most max_model_len - 1 = 2047"):
-        run(fake_model(tmp_path / "m"), jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out",
-            on_overlength="error", max_model_len=2048)
+        run(
+            fake_model(tmp_path / "m"),
+            jsonl(tmp_path / "in.jsonl", rows),
+            tmp_path / "out",
+            on_overlength="error",
+            max_model_len=2048,
+        )
 
 
 def test_another_runs_output_is_refused_before_the_engine(tmp_path, no_engine):
@@ -120,11 +134,21 @@ def test_a_read_only_output_is_refused_before_the_engine(tmp_path, no_engine):
 
 def test_a_second_run_into_a_locked_output_is_refused_naming_the_first(tmp_path, no_engine):
     m, inp = fake_model(tmp_path / "m"), jsonl(tmp_path / "in.jsonl", ROWS)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; sys.path.insert(0, sys.argv[2]);"
-        "from speculators_compat.pipeline.outdir import OutputDir;"
-        "o = OutputDir(sys.argv[1]); o.lock(); print('locked', flush=True); time.sleep(60)"),
-        str(tmp_path / "out"), os.getcwd()], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; sys.path.insert(0, sys.argv[2]);"
+                "from speculators_compat.pipeline.outdir import OutputDir;"
+                "o = OutputDir(sys.argv[1]); o.lock(); print('locked', flush=True); time.sleep(60)"
+            ),
+            str(tmp_path / "out"),
+            os.getcwd(),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(OutputError, match=rf"being written by another extract \(pid {holder.pid} on "):
@@ -148,8 +172,11 @@ def test_a_truncated_weight_file_is_named_before_the_engine(tmp_path, no_engine)
     m = fake_model(tmp_path / "m")
     data = (m / "model.safetensors").read_bytes()
     (m / "model.safetensors").write_bytes(data[:-1000])
-    with pytest.raises(CheckpointError, match=r"model.safetensors: [0-9,]+ bytes, but its header describes [0-9,]+ "
-                                              r"\(truncated"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.safetensors: [0-9,]+ bytes, but its header describes [0-9,]+ "
+        r"\(truncated",
+    ):
         run(m, jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out")
 
 
@@ -162,8 +189,9 @@ def test_checkpoint_checks(tmp_path):
     with pytest.raises(CheckpointError, match="has no config.json"):
         check_checkpoint(str(m))
     m = fake_model(tmp_path / "sharded")
-    (m / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (m / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     with pytest.raises(CheckpointError, match=r"lists 1 weight file\(s\) that are not in .*: model-00002-of-00002"):
         check_checkpoint(str(m))
     (m / "model-00002-of-00002.safetensors").write_bytes(b"\x05\x00")
@@ -180,10 +208,19 @@ def test_model_fingerprint_sees_new_values_behind_the_same_header(tmp_path):
     assert a == fingerprint_checkpoint(str(fake_model(tmp_path / "a2")))  # same files, other path
     same_shapes = safetensors_bytes({"a": bytes(range(255, -1, -1)) * 1024, "b": b"\x01" * 4096})
     b = fingerprint_checkpoint(str(fake_model(tmp_path / "b", same_shapes)))
-    assert describe_model_change(a, b) == ["weight file model.safetensors holds other values (same tensors and "
-                                           "size, different contents)"]
-    c = fingerprint_checkpoint(str(fake_model(tmp_path / "c", safetensors_bytes(  # a tensor renamed
-        {"c": bytes(range(256)) * 1024, "b": b"\x01" * 4096}))))
+    assert describe_model_change(a, b) == [
+        "weight file model.safetensors holds other values (same tensors and size, different contents)"
+    ]
+    c = fingerprint_checkpoint(
+        str(
+            fake_model(
+                tmp_path / "c",
+                safetensors_bytes(  # a tensor renamed
+                    {"c": bytes(range(256)) * 1024, "b": b"\x01" * 4096}
+                ),
+            )
+        )
+    )
     assert describe_model_change(a, c) == ["weight file model.safetensors holds other tensors (its header changed)"]
     (tmp_path / "c" / "config.json").write_text("{}")
     assert "config.json changed" in describe_model_change(a, fingerprint_checkpoint(str(tmp_path / "c")))
@@ -227,8 +264,11 @@ def test_a_resume_over_the_same_input_hashes_it_instead_of_parsing_it(tmp_path, 
     first = scan_input(f, max_len=511)
     monkeypatch.setattr(dataset, "iter_jsonl", lambda *a: (_ for _ in ()).throw(AssertionError("parsed again")))
     again = scan_input(f, max_len=511, known=first.record())
-    assert again.recorded and (again.samples, again.overlength, again.fingerprint) == (13, [(12, 700)],
-                                                                                       first.fingerprint)
+    assert again.recorded and (again.samples, again.overlength, again.fingerprint) == (
+        13,
+        [(12, 700)],
+        first.fingerprint,
+    )
     part = scan_input(f, max_samples=4, max_len=511, known=first.record())  # a part of what was read
     assert part.recorded and (part.samples, part.overlength) == (4, [])
     jsonl(f, ROWS[::-1] + [{"input_ids": [5] * 700}])  # other contents: parsed (here: the stand-in refuses)

@@ -1,6 +1,7 @@
 """The direct data_{i}.pt encoder (speculators_compat.pipeline.ptfile): its files must be the
 bytes torch.save writes, in every torch the matrix installs (each engine cell runs this file with
 its own torch: 2.8 ... 2.13), and anything it cannot reproduce must go to torch.save."""
+
 import io
 import logging
 import os
@@ -27,9 +28,11 @@ def _joined(parts) -> bytes:
 
 def _sample(rows, hidden, layers, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, 32000, (rows,), generator=g),
-            "hidden_states": [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(layers)],
-            "loss_mask": torch.randint(0, 2, (rows,), generator=g)}
+    return {
+        "input_ids": torch.randint(0, 32000, (rows,), generator=g),
+        "hidden_states": [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(layers)],
+        "loss_mask": torch.randint(0, 2, (rows,), generator=g),
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -48,8 +51,13 @@ def test_random_samples_are_byte_identical_to_torch_save():
     dtypes, some with a layer listed twice: every local header's padding to 64 bytes is met."""
     rng = random.Random(0)
     for i in range(200):
-        s = _sample(rng.randint(1, 300), rng.choice([1, 3, 64, 128, 7168 // 56]), rng.randint(1, 16),
-                    rng.choice([torch.bfloat16, torch.float16, torch.float32]), seed=i)
+        s = _sample(
+            rng.randint(1, 300),
+            rng.choice([1, 3, 64, 128, 7168 // 56]),
+            rng.randint(1, 16),
+            rng.choice([torch.bfloat16, torch.float16, torch.float32]),
+            seed=i,
+        )
         if len(s["hidden_states"]) > 2 and rng.random() < 0.3:  # upstream's default ids on 6 layers: [2, 3, 3, 5]
             s["hidden_states"][2] = s["hidden_states"][1]
         parts = ptfile.encode(s)
@@ -62,8 +70,11 @@ def test_views_share_storage_as_torch_save_does():
     storage one copy of it: as torch.save does."""
     x = torch.randn(10, 4)
     ids = torch.arange(20)
-    s = {"input_ids": ids[2:7], "hidden_states": [x[1:6], x.t()[:, :5].t().contiguous(), x[3:8]],
-         "loss_mask": ids[10:15]}
+    s = {
+        "input_ids": ids[2:7],
+        "hidden_states": [x[1:6], x.t()[:, :5].t().contiguous(), x[3:8]],
+        "loss_mask": ids[10:15],
+    }
     parts = ptfile.encode(s)
     assert parts is not None and _joined(parts) == _saved(s)
     back = torch.load(io.BytesIO(_joined(parts)), weights_only=True)

@@ -1,6 +1,7 @@
 """The registry's life cycle on a synthetic target module: apply on import (before and after the
 hook), never double-wrap, unpatch restores the identical originals, re-patch, version gates,
 feature probes, and a missing target reported (not silent)."""
+
 import logging
 import sys
 import types
@@ -131,7 +132,8 @@ def test_post_import_hook_applies_when_target_imported_later(tmp_path, monkeypat
 
     monkeypatch.setattr(versions, "installed", lambda p: "1.5.0" if p == "sc_fake_pkg" else None)
     (tmp_path / "sc_fake_late.py").write_text(
-        "class Thing:\n    def method(self, x):\n        return x + 1\n\ndef func(x):\n    return x * 2\n")
+        "class Thing:\n    def method(self, x):\n        return x + 1\n\ndef func(x):\n    return x * 2\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
 
     class LatePatch(FakePatch):

@@ -1,5 +1,6 @@
 """Sharded safetensors output without an engine: the real ShardWriter and OutputDir on real files
 (samples built here stand in for the engine's; tests/engine/test_pipeline.py runs the engine)."""
+
 import json
 
 import pytest
@@ -7,18 +8,21 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
+from speculators_compat.errors import OutputError
 from speculators_compat.pipeline.files import done_from_shards, read_shard_range  # noqa: E402
+from speculators_compat.pipeline.outdir import OutputDir  # noqa: E402
 from speculators_compat.pipeline.shards import ShardWriter, check_shard_size, load_shard  # noqa: E402
 from speculators_compat.pipeline.verify import verify_output  # noqa: E402
-from speculators_compat.errors import OutputError
-from speculators_compat.pipeline.outdir import OutputDir  # noqa: E402
 
 
 def sample(i, n=None):
     n = n or 3 + i % 5
     g = torch.Generator().manual_seed(i)
-    return {"input_ids": torch.arange(i, i + n), "loss_mask": torch.tensor([(i + j) % 2 for j in range(n)]),
-            "hidden_states": [torch.randn(n, 8, generator=g).to(torch.bfloat16) for _ in range(3)]}
+    return {
+        "input_ids": torch.arange(i, i + n),
+        "loss_mask": torch.tensor([(i + j) % 2 for j in range(n)]),
+        "hidden_states": [torch.randn(n, 8, generator=g).to(torch.bfloat16) for _ in range(3)],
+    }
 
 
 def write(root, indices, size, batch=4, n_seen=None, total=None, finish=True, threads=2):
@@ -42,8 +46,11 @@ def write(root, indices, size, batch=4, n_seen=None, total=None, finish=True, th
 @pytest.mark.parametrize("threads", [1, 3])
 def test_shards_hold_their_samples_by_index(tmp_path, threads):
     out, w, _ = write(tmp_path, list(range(11)), size=4, threads=threads)
-    assert sorted(p.name for p in tmp_path.glob("shard_*")) == ["shard_0.safetensors", "shard_1.safetensors",
-                                                               "shard_2.safetensors"]
+    assert sorted(p.name for p in tmp_path.glob("shard_*")) == [
+        "shard_0.safetensors",
+        "shard_1.safetensors",
+        "shard_2.safetensors",
+    ]
     assert w.written == 3
     assert read_shard_range(tmp_path / "shard_2.safetensors") == (8, 11, [8, 9, 10])
     for k in range(3):
@@ -120,7 +127,9 @@ def test_a_damaged_shard_is_computed_again_and_verify_names_it(tmp_path):
 
 def test_a_shard_of_another_size_is_refused(tmp_path):
     write(tmp_path, list(range(8)), size=4)
-    with pytest.raises(ValueError, match=r"shard_0.safetensors covers samples \[0, 4\), which is not shard 0 of size 2"):
+    with pytest.raises(
+        ValueError, match=r"shard_0.safetensors covers samples \[0, 4\), which is not shard 0 of size 2"
+    ):
         done_from_shards(tmp_path, 2, 8)
 
 
@@ -148,14 +157,17 @@ def test_a_full_disk_is_an_error_at_the_next_put(tmp_path, monkeypatch):
         sw.close()
 
 
-@pytest.mark.parametrize("size,fmt,writer,msg", [
-    (0, "safetensors", "auto", "--shard-size must be an integer >= 1"),
-    (-3, "safetensors", "auto", "--shard-size must be an integer >= 1"),
-    (2.5, "safetensors", "auto", "--shard-size must be an integer >= 1"),
-    (True, "safetensors", "auto", "--shard-size must be an integer >= 1"),
-    (4, "pt", "auto", "needs --format safetensors"),
-    (4, "safetensors", "process", "--writer process is not supported"),
-])
+@pytest.mark.parametrize(
+    "size,fmt,writer,msg",
+    [
+        (0, "safetensors", "auto", "--shard-size must be an integer >= 1"),
+        (-3, "safetensors", "auto", "--shard-size must be an integer >= 1"),
+        (2.5, "safetensors", "auto", "--shard-size must be an integer >= 1"),
+        (True, "safetensors", "auto", "--shard-size must be an integer >= 1"),
+        (4, "pt", "auto", "needs --format safetensors"),
+        (4, "safetensors", "process", "--writer process is not supported"),
+    ],
+)
 def test_bad_shard_options_are_named(size, fmt, writer, msg):
     with pytest.raises(ValueError, match=msg):
         check_shard_size(size, fmt, writer)

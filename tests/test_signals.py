@@ -1,10 +1,11 @@
 """signals.py: SIGTERM / SIGHUP raise Terminated (a KeyboardInterrupt) once, in a process of their own
 (the real signal, delivered by the kernel); the pipeline-level test is
 tests/engine/test_pipeline_cli.py::test_sigterm_shuts_down_cleanly_and_resume_is_identical."""
+
 import subprocess
 import sys
 
-SCRIPT = r'''
+SCRIPT = r"""
 import os, signal, sys
 from speculators_compat.signals import Terminated, handle_termination, interrupted
 seen = []
@@ -22,15 +23,16 @@ except KeyboardInterrupt as e:
     msg, code = interrupted(e, "/data/out")
     print(code, msg)
 print("alive", seen)
-'''
+"""
 
 
 def test_sigterm_raises_once_and_names_the_resume():
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0] == ("143 interrupted by SIGTERM; the files already in /data/out are complete: "
-                        "run the same command again to resume")
+    assert lines[0] == (
+        "143 interrupted by SIGTERM; the files already in /data/out are complete: run the same command again to resume"
+    )
     assert lines[1] == "alive ['own']"
 
 
@@ -38,10 +40,18 @@ def test_ctrl_c_message_and_a_program_handler_is_kept():
     from speculators_compat.signals import interrupted
 
     assert interrupted(KeyboardInterrupt()) == ("interrupted by SIGINT", 130)
-    r = subprocess.run([sys.executable, "-c", "import os, signal\n"
-                        "signal.signal(signal.SIGTERM, lambda s, f: print('own'))\n"
-                        "from speculators_compat.signals import handle_termination\n"
-                        "print(handle_termination())\n"  # SIGHUP only
-                        "os.kill(os.getpid(), signal.SIGTERM)\n"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal\n"
+            "signal.signal(signal.SIGTERM, lambda s, f: print('own'))\n"
+            "from speculators_compat.signals import handle_termination\n"
+            "print(handle_termination())\n"  # SIGHUP only
+            "os.kill(os.getpid(), signal.SIGTERM)\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout.split() == ["True", "own"], (r.stdout, r.stderr)

@@ -3,6 +3,7 @@ directory (``speculators-compat run`` sets it): imports speculators_compat befor
 so the patches are registered before a script, or a spawned worker re-running that script as its
 ``__mp_main__``, imports speculators or vLLM. Then it runs the ``sitecustomize`` this one hides,
 if there is one further down the path (an environment's own), so that keeps working."""
+
 import importlib.machinery
 import importlib.util
 import os
@@ -13,8 +14,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 try:
     import speculators_compat  # noqa: F401  (registers the patches; imports neither vLLM nor torch)
 except Exception as e:  # the user's command still runs, and is told why it runs unpatched
-    sys.stderr.write(f"speculators-compat run: importing speculators_compat failed ({type(e).__name__}: {e}); "
-                     "the command runs without its patches\n")
+    sys.stderr.write(
+        f"speculators-compat run: importing speculators_compat failed ({type(e).__name__}: {e}); "
+        "the command runs without its patches\n"
+    )
 
 
 def _run_the_hidden_one() -> None:

@@ -3,6 +3,7 @@
 A slab is a file in /dev/shm (the driver maps it: handoff.py) or, with the RPC hand-off, process
 memory; on a GPU it is page-locked so that device->host copies into it are asynchronous DMAs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -106,8 +107,13 @@ class Arena:
             try:
                 self._new(self._roomy(need))
             except ArenaSpaceError as e:
-                logger.info("speculators_compat: made %d of the %d hand-off slabs asked for ahead; "
-                            "the rest are made when needed (%s)", len(self.slabs), self.want, e)
+                logger.info(
+                    "speculators_compat: made %d of the %d hand-off slabs asked for ahead; "
+                    "the rest are made when needed (%s)",
+                    len(self.slabs),
+                    self.want,
+                    e,
+                )
                 self.want = len(self.slabs)
                 return
 
@@ -121,8 +127,11 @@ class Arena:
             try:
                 return self._new(roomy)
             except ArenaSpaceError:
-                logger.info("speculators_compat: no room for a %.0f MiB hand-off slab; making one of "
-                            "exactly %.0f MiB", roomy / 2**20, need / 2**20)
+                logger.info(
+                    "speculators_compat: no room for a %.0f MiB hand-off slab; making one of exactly %.0f MiB",
+                    roomy / 2**20,
+                    need / 2**20,
+                )
         return self._new(need)
 
     def reserve(self, nbytes: int) -> None:
@@ -142,7 +151,7 @@ class Arena:
 
     def view(self, idx: int, off: int, rows: int, hidden: int, dtype) -> torch.Tensor:
         es = dtype.itemsize
-        return self.slabs[idx][1][off: off + rows * hidden * es].view(dtype).view(rows, hidden)
+        return self.slabs[idx][1][off : off + rows * hidden * es].view(dtype).view(rows, hidden)
 
     def path(self, idx: int):
         return self.slabs[idx][0]
@@ -180,7 +189,8 @@ class Arena:
                     f"{self.total_bytes / 2**20:.0f} MiB already there, incl. states of earlier batches "
                     "still referenced by the caller). Give it more room (docker: --shm-size or --ipc=host), "
                     "lower the batch, drop or .clone() results you keep, or set "
-                    "SPECULATORS_COMPAT_HANDOFF=rpc") from e
+                    "SPECULATORS_COMPAT_HANDOFF=rpc"
+                ) from e
             os.close(fd)
             t = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
             buf = [path, t, False]
@@ -212,7 +222,10 @@ def _host_register(t: torch.Tensor) -> bool:
     rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
     code = getattr(rc, "value", rc)
     if code != 0:
-        logger.warning("speculators_compat: cudaHostRegister of the hand-off arena failed (%s); "
-                       "device->host copies of captured states will be synchronous", rc)
+        logger.warning(
+            "speculators_compat: cudaHostRegister of the hand-off arena failed (%s); "
+            "device->host copies of captured states will be synchronous",
+            rc,
+        )
         return False
     return True

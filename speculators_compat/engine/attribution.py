@@ -8,11 +8,14 @@ under (request id, start position); rows past a prompt's length (a decode step) 
 nothing is attributed by offset across requests. A request's segments, ordered by position, must
 cover 0..len-1 exactly once (``coverage_problem``).
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+
 def runner_kind(runner) -> str:
     """Where a runner keeps the order of requests in a step: ``"v1"`` (the V1 runner's persistent
     ``input_batch``, vLLM 0.11-0.33) or ``"v2"`` (Model Runner V2, opt-in before 0.34 and the only
@@ -24,7 +27,8 @@ def runner_kind(runner) -> str:
     raise RuntimeError(
         f"speculators_compat: the model runner {type(runner).__name__} has neither an `input_batch` "
         "(vLLM's V1 runner) nor a `prepare_inputs` method (Model Runner V2): capture cannot tell which "
-        "rows of a step belong to which request. This vLLM is not supported.")
+        "rows of a step belong to which request. This vLLM is not supported."
+    )
 
 
 def step_requests(runner, st, so) -> tuple[list, list, Any] | None:
@@ -42,7 +46,8 @@ def step_requests(runner, st, so) -> tuple[list, list, Any] | None:
             raise RuntimeError(
                 "speculators_compat: the step's input batch and the scheduler disagree on how many "
                 f"tokens each request has ({dict(zip(req_ids, own))} vs {dict(zip(req_ids, counts))}); "
-                "rows cannot be attributed safely")
+                "rows cannot be attributed safely"
+            )
         computed = getattr(b, "num_computed_tokens_np", None)
         return req_ids, counts, (lambda i: int(computed[i])) if computed is not None else None
     ib = runner.input_batch
@@ -130,7 +135,8 @@ def step_starts(positions: torch.Tensor, counts: list[int], req_ids: list) -> li
         owner = int(torch.searchsorted(torch.cumsum(cnt, 0), bad_row, right=True))
         raise RuntimeError(
             f"speculators_compat: request {req_ids[owner]}: positions of its rows are not "
-            "contiguous (attribution would be wrong)")
+            "contiguous (attribution would be wrong)"
+        )
     return starts_t.tolist()
 
 
@@ -140,8 +146,11 @@ def coverage_problem(starts_and_rows: list[tuple[int, int]], prompt_len: int) ->
     pos = 0
     for start, n in starts_and_rows:
         if start != pos:
-            return (f"positions {pos}..{start - 1} missing" if start > pos
-                    else f"positions {start}..{min(pos, start + n) - 1} captured twice")
+            return (
+                f"positions {pos}..{start - 1} missing"
+                if start > pos
+                else f"positions {start}..{min(pos, start + n) - 1} captured twice"
+            )
         pos += n
     if pos != prompt_len:
         return f"captured {pos} of {prompt_len} prompt positions"

@@ -2,6 +2,7 @@
 step's kept rows (``hidden_states + residual``) into the arena, and ``take``, which hands a
 batch's rows back per request. Which rows are kept, for whom, is attribution.py's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,9 +13,19 @@ from typing import Any
 import torch
 
 from .arena import Arena
-from .attribution import coverage_problem, merge_adjacent, plan_rows, runner_kind, scheduler_order, step_requests, step_starts
+from .attribution import (
+    coverage_problem,
+    merge_adjacent,
+    plan_rows,
+    runner_kind,
+    scheduler_order,
+    step_requests,
+    step_starts,
+)
 
 logger = logging.getLogger("speculators_compat.worker")
+
+
 def find_base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack (the module with ``.layers``) inside a vLLM model.
 
@@ -93,8 +104,7 @@ class _CaptureState:
     region_row_bytes: int = 0  # the row size those regions were sized with
 
 
-def install_capture(worker, layer_ids: list[int], record_all: bool = False,
-                    handoff_prefix: str | None = None) -> dict:
+def install_capture(worker, layer_ids: list[int], record_all: bool = False, handoff_prefix: str | None = None) -> dict:
     """Install forward hooks for ``layer_ids`` (absolute decoder-layer indices) on ``worker``.
 
     ``record_all`` keeps every forward's rows in step order (upstream's worker contract) instead
@@ -115,8 +125,13 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False,
     bad = [i for i in layer_ids if not 0 <= i < n]
     if bad:
         raise ValueError(f"layer ids {bad} out of range: the model has {n} decoder layers (0..{n - 1})")
-    info = {"num_layers": n, "base_model": type(base).__name__, "model": type(model).__name__,
-            "capturing": False, "runner": type(runner).__name__}
+    info = {
+        "num_layers": n,
+        "base_model": type(base).__name__,
+        "model": type(model).__name__,
+        "capturing": False,
+        "runner": type(runner).__name__,
+    }
     local = _moe_local_experts(model)
     if local is not None:  # on this rank: all experts under plain TP, a share under expert parallelism
         info["moe_local_experts"] = local
@@ -136,8 +151,7 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False,
     # itself never fire; its layers are plain modules. The first layer's pre-hook reads the step
     # layout; once the last captured layer ran, the rows are split by request.
     first = getattr(base, "start_layer", 0)
-    st.handles.append(base.layers[first].register_forward_pre_hook(_make_pre_forward(runner, st),
-                                                                   with_kwargs=True))
+    st.handles.append(base.layers[first].register_forward_pre_hook(_make_pre_forward(runner, st), with_kwargs=True))
     distribute = _make_distribute(st)
     for lid in sorted(set(layer_ids)):
         st.handles.append(base.layers[lid].register_forward_hook(_make_layer_hook(st, lid, distribute)))
@@ -219,8 +233,10 @@ def _make_pre_forward(runner, st: _CaptureState):
             starts = step_starts(positions, counts, req_ids)
         else:  # M-RoPE style positions: fall back to the runner's computed-token counts
             if computed is None:
-                raise RuntimeError("speculators_compat: the step has no 1-D positions and the runner's "
-                                   "input batch no computed-token counts: rows cannot be placed")
+                raise RuntimeError(
+                    "speculators_compat: the step has no 1-D positions and the runner's "
+                    "input batch no computed-token counts: rows cannot be placed"
+                )
             starts = [computed(i) for i in range(len(req_ids))]
         st.layout = (req_ids, counts, starts)
         device = positions.device if isinstance(positions, torch.Tensor) else None
@@ -290,9 +306,14 @@ def _take(st, req_ids, want_data):
             errors[rid] = problem + " (prefix-cache hit, aborted request or lost step?)"
             continue
         if flagged:  # slow path, only when some row somewhere was not finite
-            bad = [st.layer_ids[j] for j in range(len(st.layer_ids))
-                   if not all(bool(torch.isfinite(arena.view(b, o, n, st.hidden, st.dtype)).all())
-                              for b, o, n in (s.layers[j] for s in segs))]
+            bad = [
+                st.layer_ids[j]
+                for j in range(len(st.layer_ids))
+                if not all(
+                    bool(torch.isfinite(arena.view(b, o, n, st.hidden, st.dtype)).all())
+                    for b, o, n in (s.layers[j] for s in segs)
+                )
+            ]
             if bad:
                 errors[rid] = f"NaN/Inf hidden states in layer(s) {bad}"
                 continue
@@ -302,8 +323,14 @@ def _take(st, req_ids, want_data):
             states[rid] = [[(arena.path(b), o, n) for b, o, n in layer] for layer in blocks]
         else:
             states[rid] = [_gather(arena, layer, st.hidden, st.dtype) for layer in blocks]
-    return {"states": states, "errors": errors, "rank_captures": True, "slabs": arena.paths(),
-            "hidden": st.hidden, "dtype": str(st.dtype).replace("torch.", "")}
+    return {
+        "states": states,
+        "errors": errors,
+        "rank_captures": True,
+        "slabs": arena.paths(),
+        "hidden": st.hidden,
+        "dtype": str(st.dtype).replace("torch.", ""),
+    }
 
 
 def _gather(arena, blocks, hidden, dtype) -> torch.Tensor:
@@ -387,15 +414,15 @@ def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int
         for b, off, row, n in runs:
             dst = st.arena.view(b, off, n, st.hidden, st.dtype)
             if res is not None:
-                torch.add(h[row:row + n], res[row:row + n], out=dst)
+                torch.add(h[row : row + n], res[row : row + n], out=dst)
             else:
-                dst.copy_(h[row:row + n])
+                dst.copy_(h[row : row + n])
             st.nonfinite.append(_nonfinite_flag(dst))
     else:
         if residual is not None:
             val = h + pick(residual.detach())
         elif isinstance(source, slice):  # a view of the layer output, which later layers may
-            val = h.clone()              # update in place while the copy below is in flight
+            val = h.clone()  # update in place while the copy below is in flight
         else:
             val = h  # index_select made it
         # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
@@ -403,9 +430,9 @@ def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int
         for b, off, row, n in runs:
             dst = st.arena.view(b, off, n, st.hidden, st.dtype)
             if st.arena.pinned(b):  # pinned (page-locked) arena: an asynchronous DMA
-                _copy_on_side_stream(st, dst, val[row:row + n])
+                _copy_on_side_stream(st, dst, val[row : row + n])
             else:
-                dst.copy_(val[row:row + n])
+                dst.copy_(val[row : row + n])
     return dests
 
 

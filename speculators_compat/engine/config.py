@@ -4,6 +4,7 @@ version's required fields. Extraction needs prefix caching off (a cache hit skip
 cached positions, whose states would then never be captured), worker processes (the same path
 at TP=1 and TP>1), the V1 model runner where vLLM still has it, and our worker extension.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,14 +54,17 @@ def check_sizes(opts: EngineOptions) -> None:
     """Refuse sizes vLLM would take silently or only fail on later: ``max_num_seqs=0`` and
     ``max_num_batched_tokens=0`` ran as if unset (vLLM 0.32), and ``max_model_len=1`` started the
     engine only for every prompt to be cut to nothing (one position is kept back, as upstream does)."""
+
     def bad(v, least: int) -> bool:
         return isinstance(v, bool) or not isinstance(v, int) or v < least
 
     if bad(opts.tensor_parallel_size, 1):
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, not {opts.tensor_parallel_size!r}")
     if opts.max_model_len is not None and bad(opts.max_model_len, 2):
-        raise ValueError(f"max_model_len must be an integer >= 2 (prompts keep at most max_model_len - 1 "
-                         f"tokens) or None for the model's own, not {opts.max_model_len!r}")
+        raise ValueError(
+            f"max_model_len must be an integer >= 2 (prompts keep at most max_model_len - 1 "
+            f"tokens) or None for the model's own, not {opts.max_model_len!r}"
+        )
     for name in ("max_num_batched_tokens", "max_num_seqs"):
         v = getattr(opts, name)
         if v is not None and bad(v, 1):
@@ -108,11 +112,15 @@ def build_vllm_config(opts: EngineOptions):
         kw["language_model_only"] = True
     kw.update(opts.engine_kwargs)
     if kw.get("pipeline_parallel_size", 1) != 1:
-        raise ValueError("pipeline parallelism is not supported for capture (layers would be split "
-                         "across ranks); use tensor parallelism")
+        raise ValueError(
+            "pipeline parallelism is not supported for capture (layers would be split "
+            "across ranks); use tensor parallelism"
+        )
     if kw.get("enable_prefix_caching"):
-        raise ValueError("enable_prefix_caching=True would skip computing cached prefixes, whose "
-                         "hidden states then could not be captured")
+        raise ValueError(
+            "enable_prefix_caching=True would skip computing cached prefixes, whose "
+            "hidden states then could not be captured"
+        )
     return EngineArgs(**kw).create_engine_config()
 
 
@@ -129,11 +137,15 @@ def _pin_v1_runner() -> None:
         if v is not None and v.strip().lower() in ("0", "false"):
             raise RuntimeError(
                 f"VLLM_USE_V2_MODEL_RUNNER={v} asks for the V1 model runner, which vLLM {facts.version} "
-                "no longer has (removed in 0.34). Unset it: capture works with Model Runner V2.")
+                "no longer has (removed in 0.34). Unset it: capture works with Model Runner V2."
+            )
         return
     if v not in (None, "", "0", "false", "False"):
-        logger.info("speculators_compat: VLLM_USE_V2_MODEL_RUNNER=%s: capturing with Model Runner V2 "
-                    "(the tests run vLLM 0.11-0.33 with the V1 runner, which is pinned when it is unset)", v)
+        logger.info(
+            "speculators_compat: VLLM_USE_V2_MODEL_RUNNER=%s: capturing with Model Runner V2 "
+            "(the tests run vLLM 0.11-0.33 with the V1 runner, which is pinned when it is unset)",
+            v,
+        )
         return
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 

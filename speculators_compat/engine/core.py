@@ -17,6 +17,7 @@ Shape of the loop (every version 0.11 -> 0.32):
      request is ever aborted mid-prefill, so chunked prefill completes;
   4. take the captures (rank 0), keyed by request id, check coverage, return in input order.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,8 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import envs
 from ..errors import CaptureError, StallError, TokenIdError, WorkerDiedError
@@ -89,8 +91,9 @@ class ExtractionEngine:
         self._reader = ArenaReader(lend=lend)
         executor_class = Executor.get_class(self.vllm_config)
         self._worker_failed = False
-        self.core = EngineCore(self.vllm_config, executor_class, log_stats=False,
-                               executor_fail_callback=self._on_worker_failure)
+        self.core = EngineCore(
+            self.vllm_config, executor_class, log_stats=False, executor_fail_callback=self._on_worker_failure
+        )
         self._closed = False
         self._lock = threading.Lock()
         self._uid = uuid.uuid4().hex[:8]
@@ -106,25 +109,28 @@ class ExtractionEngine:
         self._rpc_takes_rank = "unique_reply_rank" in _params(self.executor.collective_rpc)
         # Can a call be sent without waiting, its reply taken in order by the next call? (0.12+:
         # a queue of pending replies that every later call drains first; 0.11 needs a thread pool)
-        self._can_announce_ahead = ("non_block" in _params(self.executor.collective_rpc)
-                                    and hasattr(getattr(self.executor, "futures_queue", None), "pop"))
+        self._can_announce_ahead = "non_block" in _params(self.executor.collective_rpc) and hasattr(
+            getattr(self.executor, "futures_queue", None), "pop"
+        )
         # Each batch is announced without waiting for the reply, which comes back in order after
         # its steps (less driver time per batch: docs/benchmarks.md); vLLM 0.11 waits.
         self.announce = "ahead" if self._can_announce_ahead else "wait"
         probe = self._rpc_rank0_raw("compat_ping")
         self._rpc_unwrap = isinstance(probe, list)
-        infos = self.executor.collective_rpc("compat_capture_setup",
-                                            args=(self.layer_ids, self._handoff_prefix))
+        infos = self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids, self._handoff_prefix))
         self.model_info = infos[0]
         if not any(i.get("capturing") for i in infos):
             raise RuntimeError("speculators_compat: no worker rank captures hidden states")
         self.vocab_size = model_vocab_size(self.vllm_config)
         if self.vocab_size is None:
-            logger.warning("speculators_compat: cannot read the model's vocabulary size from vLLM's "
-                           "config; token ids will be checked for sign only")
+            logger.warning(
+                "speculators_compat: cannot read the model's vocabulary size from vLLM's "
+                "config; token ids will be checked for sign only"
+            )
         self.startup_seconds = time.time() - t0
-        logger.info("engine ready in %.1fs (%s, layers %s)", self.startup_seconds,
-                    self.model_info.get("model"), self.layer_ids)
+        logger.info(
+            "engine ready in %.1fs (%s, layers %s)", self.startup_seconds, self.model_info.get("model"), self.layer_ids
+        )
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -201,7 +207,8 @@ class ExtractionEngine:
                     raise  # Ctrl-C / SIGTERM sent to the whole process group took the workers down too
                 raise WorkerDiedError(
                     "a vLLM worker process died during extraction; this engine is unusable. Outputs "
-                    "already written are complete; rerun to resume.") from e
+                    "already written are complete; rerun to resume."
+                ) from e
             self._abandon(ids)
             raise
         errors = taken["errors"]
@@ -238,7 +245,8 @@ class ExtractionEngine:
             if idle > 200:
                 raise StallError(
                     "the scheduler stopped scheduling with requests pending (200 steps without a "
-                    "forward): a prompt may not fit the KV cache; lower the batch or raise memory")
+                    "forward): a prompt may not fit the KV cache; lower the batch or raise memory"
+                )
 
     def _cleanup_handoff(self) -> None:
         if self._handoff_prefix:

@@ -7,6 +7,7 @@ the one behaviour the loop depends on directly (what ``collective_rpc(unique_rep
 returns) is probed by calling it at start-up. The patches' ``needed()`` probes use the same kind of
 signature checks.
 """
+
 from __future__ import annotations
 
 import inspect

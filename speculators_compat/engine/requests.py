@@ -4,6 +4,7 @@ the parameters the installed ``Request.__init__`` takes (``eos_token_id`` went i
 gives its own requests). The ``vllm_request`` patch uses the same helpers to keep other hand-built
 loops, upstream's among them, alive.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -26,14 +27,20 @@ def request_params(Request) -> frozenset:
     return params
 
 
-def build_request(request_id: str, prompt: list[int], sampling_params, *, block_hasher=None,
-                  eos_token_id: int | None = None):
+def build_request(
+    request_id: str, prompt: list[int], sampling_params, *, block_hasher=None, eos_token_id: int | None = None
+):
     """A ``vllm.v1.request.Request`` for any vLLM 0.11 -> 0.34 (signature-aware, no patch needed)."""
     from vllm.v1.request import Request
 
     params = request_params(Request)
-    kw: dict[str, Any] = dict(request_id=request_id, prompt_token_ids=prompt,
-                              sampling_params=sampling_params, pooling_params=None, arrival_time=0.0)
+    kw: dict[str, Any] = dict(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=sampling_params,
+        pooling_params=None,
+        arrival_time=0.0,
+    )
     if "eos_token_id" in params:
         kw["eos_token_id"] = eos_token_id
     elif eos_token_id is not None:
@@ -54,7 +61,7 @@ def set_eos(sampling_params, eos: int) -> None:
 
 
 #: schedulers that cache prefixes (recorded by the vllm_request patch), and the (hash block size, hash algorithm, look-ahead tokens) each needs.
-caching_schedulers: "weakref.WeakKeyDictionary[Any, tuple[int, str, int]]" = weakref.WeakKeyDictionary()
+caching_schedulers: weakref.WeakKeyDictionary[Any, tuple[int, str, int]] = weakref.WeakKeyDictionary()
 
 
 _hasher_cache: dict[tuple[int, str, int], Any] = {}
@@ -84,6 +91,8 @@ def active_block_hasher():
     if not items:
         return None
     if len(set(items)) > 1:
-        logger.warning("speculators_compat: several prefix-caching schedulers with different block "
-                       "sizes are alive; supplying the newest one's block hasher")
+        logger.warning(
+            "speculators_compat: several prefix-caching schedulers with different block "
+            "sizes are alive; supplying the newest one's block hasher"
+        )
     return _hasher_for(*items[-1])

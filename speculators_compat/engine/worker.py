@@ -33,6 +33,7 @@ states.
 Capture happens on tensor-parallel rank 0 only (after the row-parallel all-reduce every rank holds
 the full hidden state, so one copy is enough); other ranks install nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -103,12 +104,16 @@ class CaptureExtension:
         st = getattr(self, "_compat_capture", None)
         if st is None:
             return {}
-        return {"steps": st.steps, "tokens": st.tokens, "pending_requests": len(st.segments),
-                "hook_s": round(st.t_hooks, 3),
-                "take_s": round(st.t_take, 3), "worker_expect_s": round(st.t_expect, 4), "arena_bytes": st.arena.total_bytes if st.arena else 0,
-                "arena_slabs": len(st.arena.slabs) if st.arena else 0,
-                "arena_slabs_made": st.arena._n if st.arena else 0,
-                "arena_new_s": round(st.arena.t_new, 4) if st.arena else 0.0,
-                "arena_want": st.arena.want if st.arena else 0}  # (each one allocated, page-locked on a GPU)
-
-
+        return {
+            "steps": st.steps,
+            "tokens": st.tokens,
+            "pending_requests": len(st.segments),
+            "hook_s": round(st.t_hooks, 3),
+            "take_s": round(st.t_take, 3),
+            "worker_expect_s": round(st.t_expect, 4),
+            "arena_bytes": st.arena.total_bytes if st.arena else 0,
+            "arena_slabs": len(st.arena.slabs) if st.arena else 0,
+            "arena_slabs_made": st.arena._n if st.arena else 0,
+            "arena_new_s": round(st.arena.t_new, 4) if st.arena else 0.0,
+            "arena_want": st.arena.want if st.arena else 0,
+        }  # (each one allocated, page-locked on a GPU)

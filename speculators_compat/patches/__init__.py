@@ -1,4 +1,5 @@
 """One module per upstream break. ``PATCHES`` is the registry's list, in application order."""
+
 from .speculators_generator import SpeculatorsGeneratorPatch
 from .speculators_worker import SpeculatorsWorkerPatch
 from .transformers_compat import AttnMaskUtilsPatch, ConfigTorchPatch
@@ -13,7 +14,6 @@ PATCHES = [
     SpeculatorsGeneratorPatch(),
     SpeculatorsWorkerPatch(),
 ]
-
 
 
 def all_patches() -> list:

@@ -13,6 +13,7 @@ call site would keep the offset slicing; instead the class's ``__init__``, ``_cr
     forward order through a frozenset);
   * ``self.vllm_config``, ``self.executor``, ``self.scheduler`` and ``self.tokenizer`` exist.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,7 @@ from ..registry import Patch
 logger = logging.getLogger("speculators_compat")
 
 
-def _init(self, model_path, layer_ids=None, max_model_len=2048, gpu_memory_utilization=0.8,
-          tensor_parallel_size=1):
+def _init(self, model_path, layer_ids=None, max_model_len=2048, gpu_memory_utilization=0.8, tensor_parallel_size=1):
     from transformers import AutoTokenizer
 
     from ..engine.core import ExtractionEngine
@@ -50,17 +50,22 @@ def _upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_
     from ..engine.config import UPSTREAM_MAX_NUM_SEQS, UPSTREAM_MIN_BATCHED_TOKENS, EngineOptions
 
     return EngineOptions(
-        model=model_path, tokenizer=model_path, trust_remote_code=True, dtype="auto",
-        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size, max_num_seqs=UPSTREAM_MAX_NUM_SEQS,
-        max_num_batched_tokens=max(UPSTREAM_MIN_BATCHED_TOKENS, max_model_len))
+        model=model_path,
+        tokenizer=model_path,
+        trust_remote_code=True,
+        dtype="auto",
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        max_num_seqs=UPSTREAM_MAX_NUM_SEQS,
+        max_num_batched_tokens=max(UPSTREAM_MIN_BATCHED_TOKENS, max_model_len),
+    )
 
 
 def _create_vllm_config(self, model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size):
     from ..engine.config import build_vllm_config
 
-    return build_vllm_config(_upstream_options(model_path, max_model_len, gpu_memory_utilization,
-                                               tensor_parallel_size))
+    return build_vllm_config(_upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size))
 
 
 def _generate(self, token_ids):
@@ -75,14 +80,21 @@ def _generate(self, token_ids):
     max_len = self.vllm_config.model_config.max_model_len - 1
     long = [i for i, ids in enumerate(input_ids_list) if len(ids) > max_len]
     if long:
-        logger.warning("speculators_compat: truncating %d sequence(s) to max_model_len - 1 = %d tokens "
-                       "(upstream behaviour): indices %s", len(long), max_len, long[:10])
+        logger.warning(
+            "speculators_compat: truncating %d sequence(s) to max_model_len - 1 = %d tokens "
+            "(upstream behaviour): indices %s",
+            len(long),
+            max_len,
+            long[:10],
+        )
     input_ids_list = [ids[:max_len] for ids in input_ids_list]
     self._request_counter += 1
     states = self._compat_engine.run(input_ids_list)
     # upstream returned layers in forward (ascending) order, duplicates collapsed
-    return [{"input_ids": torch.as_tensor(ids, dtype=torch.long), "hidden_states": layers, "loss_mask": None}
-            for ids, layers in zip(input_ids_list, states)]
+    return [
+        {"input_ids": torch.as_tensor(ids, dtype=torch.long), "hidden_states": layers, "loss_mask": None}
+        for ids, layers in zip(input_ids_list, states)
+    ]
 
 
 def _del(self):
@@ -91,24 +103,29 @@ def _del(self):
         eng.shutdown()
 
 
-_REPLACEMENTS = {"__init__": _init, "_create_vllm_config": _create_vllm_config,
-                 "generate": _generate, "__del__": _del}
+_REPLACEMENTS = {"__init__": _init, "_create_vllm_config": _create_vllm_config, "generate": _generate, "__del__": _del}
 
 
 class SpeculatorsGeneratorPatch(Patch):
     name = "speculators_generator"
     module = "speculators.data_generation.vllm_hidden_states_generator"
-    targets = tuple(f"speculators.data_generation.vllm_hidden_states_generator:VllmHiddenStatesGenerator.{m}"
-                    for m in _REPLACEMENTS)
+    targets = tuple(
+        f"speculators.data_generation.vllm_hidden_states_generator:VllmHiddenStatesGenerator.{m}" for m in _REPLACEMENTS
+    )
     package = "speculators"
     versions = "==0.3.0"
     process = "driver"
-    risk = ("low on the speculators side (pinned 0.3.0); every vLLM internal it needs is reached "
-            "through speculators_compat.engine (EngineArgs, EngineCore, collective_rpc)")
-    description = ("upstream drives vLLM internals by hand: crashes from 0.12 (B1-B9) and "
-                   "misattributes rows of multi-step batches in every version: run our engine loop")
-    test = ("tests/engine/test_baseline_upstream.py (fails without), "
-            "tests/engine/test_upstream_patched.py (correct with)")
+    risk = (
+        "low on the speculators side (pinned 0.3.0); every vLLM internal it needs is reached "
+        "through speculators_compat.engine (EngineArgs, EngineCore, collective_rpc)"
+    )
+    description = (
+        "upstream drives vLLM internals by hand: crashes from 0.12 (B1-B9) and "
+        "misattributes rows of multi-step batches in every version: run our engine loop"
+    )
+    test = (
+        "tests/engine/test_baseline_upstream.py (fails without), tests/engine/test_upstream_patched.py (correct with)"
+    )
 
     def needed(self, module):
         cls = module.VllmHiddenStatesGenerator

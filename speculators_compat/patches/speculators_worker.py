@@ -14,6 +14,7 @@ caller slicing rows by its own request order relies on.
 This is a worker-side fix: it must be applied in each worker process, which the vLLM plugin entry
 point (``vllm.general_plugins``) does under both fork and spawn.
 """
+
 from __future__ import annotations
 
 from ..registry import Patch
@@ -43,8 +44,7 @@ def _get(self):
     return take_all_rows(self)
 
 
-_REPLACEMENTS = {"_setup_hidden_states_capture": _setup, "_reset_capture": _reset,
-                 "_get_captured_states": _get}
+_REPLACEMENTS = {"_setup_hidden_states_capture": _setup, "_reset_capture": _reset, "_get_captured_states": _get}
 
 
 class SpeculatorsWorkerPatch(Patch):
@@ -55,8 +55,10 @@ class SpeculatorsWorkerPatch(Patch):
     versions = "==0.3.0"
     process = "worker"
     risk = "low: speculators pinned; capture reaches vLLM only via model_runner.model/input_batch"
-    description = ("upstream's replacement decoder forward calls get_input_embeddings (gone in 0.12) "
-                   "and cannot find DeepSeek/Kimi-K2.5 decoders: capture with hooks instead")
+    description = (
+        "upstream's replacement decoder forward calls get_input_embeddings (gone in 0.12) "
+        "and cannot find DeepSeek/Kimi-K2.5 decoders: capture with hooks instead"
+    )
     test = "tests/engine/test_patches_engine.py::test_upstream_worker_extension_patch"
 
     def needed(self, module):

@@ -10,6 +10,7 @@
 Both are needed in workers too when a worker imports speculators (e.g. upstream's worker
 extension), so they are marked ``process = "both"`` and reach workers through the vLLM plugin.
 """
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -50,8 +51,9 @@ class ConfigTorchPatch(Patch):
             del module.torch
 
 
-def prepare_4d_causal_attention_mask(attention_mask, input_shape, inputs_embeds, past_key_values_length,
-                                     sliding_window=None):
+def prepare_4d_causal_attention_mask(
+    attention_mask, input_shape, inputs_embeds, past_key_values_length, sliding_window=None
+):
     """Additive causal mask [batch, 1, query, key] (0 = attend, dtype min = masked), as transformers 4.x."""
     import torch
 

@@ -16,6 +16,7 @@ Applied by feature: only where the names are missing from ``kv_cache_utils`` (vL
 later release that keeps them moved). Where a name is in neither module, asking for it raises an
 AttributeError naming this patch, the vLLM version and the modules looked in.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -49,20 +50,25 @@ class KVCacheNamesPatch(Patch):
     package = "vllm"
     versions = ">=0.11"
     process = "both"
-    risk = ("low: resolves names only where kv_cache_utils lacks them; a helper moved somewhere else "
-            "again fails at the import with this patch named in the error")
-    description = ("0.33 moved _get_kv_cache_groups_uniform_spec, get_kv_cache_config_from_groups and "
-                   "unify_hybrid_kv_cache_specs to kv_cache_planning: `import speculators.data_generation` "
-                   "raised ImportError in the driver and in workers; resolve them from their new home")
-    test = ("tests/engine/test_patches_engine.py::test_kv_cache_names_patch, "
-            "tests/test_kv_cache_names.py")
+    risk = (
+        "low: resolves names only where kv_cache_utils lacks them; a helper moved somewhere else "
+        "again fails at the import with this patch named in the error"
+    )
+    description = (
+        "0.33 moved _get_kv_cache_groups_uniform_spec, get_kv_cache_config_from_groups and "
+        "unify_hybrid_kv_cache_specs to kv_cache_planning: `import speculators.data_generation` "
+        "raised ImportError in the driver and in workers; resolve them from their new home"
+    )
+    test = "tests/engine/test_patches_engine.py::test_kv_cache_names_patch, tests/test_kv_cache_names.py"
 
     def needed(self, module):
         missing = _missing(module)
         if not missing:
             return None
-        return (f"vllm.v1.core.kv_cache_utils lacks {', '.join(missing)}, which speculators 0.3.0 "
-                f"imports (ImportError at `import speculators.data_generation`)")
+        return (
+            f"vllm.v1.core.kv_cache_utils lacks {', '.join(missing)}, which speculators 0.3.0 "
+            f"imports (ImportError at `import speculators.data_generation`)"
+        )
 
     def _apply(self, module):
         missing = _missing(module)
@@ -70,7 +76,8 @@ class KVCacheNamesPatch(Patch):
         if not homes:
             raise PatchTargetError(
                 f"patch {self.name}: vLLM {versions.installed('vllm')}: kv_cache_utils lacks {missing} "
-                f"and none of {list(NEW_HOMES)} exists; speculators 0.3.0 cannot be imported")
+                f"and none of {list(NEW_HOMES)} exists; speculators 0.3.0 cannot be imported"
+            )
         previous = vars(module).get("__getattr__")
         patch_name = self.name
         checked: set[str] = set()
@@ -86,7 +93,8 @@ class KVCacheNamesPatch(Patch):
                         return value
                 raise AttributeError(
                     f"speculators_compat patch {patch_name}: vLLM {versions.installed('vllm')} has "
-                    f"{attr!r} neither in {module.__name__} nor in {homes}")
+                    f"{attr!r} neither in {module.__name__} nor in {homes}"
+                )
             if previous is not None:
                 return previous(attr)
             raise AttributeError(f"module {module.__name__!r} has no attribute {attr!r}")
@@ -104,8 +112,9 @@ class KVCacheNamesPatch(Patch):
         current = vars(module).get("__getattr__")
         if is_ours(current) != self.name:
             if current is not None:
-                logger.warning("patch %s: %s.__getattr__ was replaced by someone else; leaving it",
-                               self.name, module.__name__)
+                logger.warning(
+                    "patch %s: %s.__getattr__ was replaced by someone else; leaving it", self.name, module.__name__
+                )
             return
         previous, self._previous = getattr(self, "_previous", None), None
         if previous is None:
@@ -119,7 +128,14 @@ def _check_signature(patch_name: str, attr: str, fn, home: str) -> None:
         params = tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return
-    if params[:len(MOVED[attr])] != MOVED[attr]:
-        logger.warning("speculators_compat: patch %s: vLLM %s's %s.%s takes %s, not %s as upstream's "
-                       "code expects; calling it the old way may fail", patch_name,
-                       versions.installed("vllm"), home, attr, params, MOVED[attr])
+    if params[: len(MOVED[attr])] != MOVED[attr]:
+        logger.warning(
+            "speculators_compat: patch %s: vLLM %s's %s.%s takes %s, not %s as upstream's "
+            "code expects; calling it the old way may fail",
+            patch_name,
+            versions.installed("vllm"),
+            home,
+            attr,
+            params,
+            MOVED[attr],
+        )

@@ -14,11 +14,12 @@ Two breaks, two patches:
   off (a cache hit skips computing, so nothing would be captured); this keeps other hand-built
   loops alive.
 """
+
 from __future__ import annotations
 
 import logging
 
-from ..engine.requests import caching_schedulers, request_params, set_eos, active_block_hasher, build_request
+from ..engine.requests import active_block_hasher, build_request, caching_schedulers, request_params, set_eos
 from ..registry import Patch
 
 logger = logging.getLogger("speculators_compat")
@@ -33,15 +34,21 @@ class RequestPatch(Patch):
     package = "vllm"
     versions = ">=0.12"
     process = "driver"
-    risk = ("medium: reads Scheduler.kv_cache_manager.enable_caching, hash_block_size/block_size and "
-            "calls get_request_block_hasher(block_size, hash_fn[, num_hash_lookahead_tokens]); "
-            "Request gained only optional parameters since 0.17")
-    description = ("0.12+: supply the block hasher a prefix-caching scheduler needs to Requests built "
-                   "without one (else AssertionError/IndexError in cache_full_blocks; 0.33: never "
-                   "cached); 0.17+: drop Request(eos_token_id=) (TypeError) and set it on the sampling "
-                   "params instead")
-    test = ("tests/engine/test_patches_engine.py::test_request_patch_block_hasher, "
-            "tests/engine/test_patches_engine.py::test_request_patch_eos")
+    risk = (
+        "medium: reads Scheduler.kv_cache_manager.enable_caching, hash_block_size/block_size and "
+        "calls get_request_block_hasher(block_size, hash_fn[, num_hash_lookahead_tokens]); "
+        "Request gained only optional parameters since 0.17"
+    )
+    description = (
+        "0.12+: supply the block hasher a prefix-caching scheduler needs to Requests built "
+        "without one (else AssertionError/IndexError in cache_full_blocks; 0.33: never "
+        "cached); 0.17+: drop Request(eos_token_id=) (TypeError) and set it on the sampling "
+        "params instead"
+    )
+    test = (
+        "tests/engine/test_patches_engine.py::test_request_patch_block_hasher, "
+        "tests/engine/test_patches_engine.py::test_request_patch_eos"
+    )
 
     def needed(self, module):
         from vllm.v1.request import Request
@@ -49,8 +56,10 @@ class RequestPatch(Patch):
         params = request_params(Request)
         parts = []
         if "block_hasher" in params:
-            parts.append("Request(block_hasher=None) is never hashed: a prefix-caching scheduler "
-                         "crashes on it (0.12-0.32) or never caches it (0.33)")
+            parts.append(
+                "Request(block_hasher=None) is never hashed: a prefix-caching scheduler "
+                "crashes on it (0.12-0.32) or never caches it (0.33)"
+            )
         if "eos_token_id" not in params:
             parts.append("Request has no eos_token_id parameter")
         return "; ".join(parts) or None

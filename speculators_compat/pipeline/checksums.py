@@ -4,13 +4,13 @@
 the pipeline measurably gained from (docs/benchmarks.md); a ``data_{i}.pt`` file's crc32 is made
 from the CRCs its zip records already hold (crc.of_parts), so the states are not read again.
 """
+
 from __future__ import annotations
 
 import hashlib
 import io
 import zlib
 from pathlib import Path
-
 
 CHECKSUMS = ("crc32", "sha256", "none")
 

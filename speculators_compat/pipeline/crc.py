@@ -13,6 +13,7 @@ post-inversion cancel between the two sides. That costs a few microseconds per p
 size (the power of x is cached per length), so only pieces of at least ``COMBINE_FROM`` bytes are
 combined; smaller ones are hashed in place. Stdlib only.
 """
+
 from __future__ import annotations
 
 import zlib

@@ -3,14 +3,14 @@
 
 Each sample: ``{"input_ids": [int, ...], "loss_mask": [0/1, ...]}`` (loss_mask optional: all ones).
 """
+
 from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
-
 
 from ..errors import DatasetError
 
@@ -33,17 +33,25 @@ def _validate(where: str, obj) -> tuple[list[int], list[int] | None]:
     ids = obj.get("input_ids")
     if not isinstance(ids, list) or not ids:
         text = sorted(set(obj) & _TEXT_KEYS) if "input_ids" not in obj else []
-        hint = (f" (this sample has {', '.join(text)}: the input must be tokenized already, e.g. by "
-                "speculators' preprocessing, which writes input_ids and loss_mask)") if text else ""
+        hint = (
+            (
+                f" (this sample has {', '.join(text)}: the input must be tokenized already, e.g. by "
+                "speculators' preprocessing, which writes input_ids and loss_mask)"
+            )
+            if text
+            else ""
+        )
         raise DatasetError(f"{where}: input_ids must be a non-empty list of token ids{hint}")
-    for t in ([] if set(map(type, ids)) == _INT and min(ids) >= 0 else ids):  # (fast path: all good)
+    for t in [] if set(map(type, ids)) == _INT and min(ids) >= 0 else ids:  # (fast path: all good)
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise DatasetError(f"{where}: input_ids holds {t!r}, not a non-negative integer")
     mask = obj.get("loss_mask")
     if mask is not None:
         if not isinstance(mask, list) or len(mask) != len(ids):
-            raise DatasetError(f"{where}: loss_mask must be a list as long as input_ids "
-                               f"({len(ids)}), got {len(mask) if isinstance(mask, list) else type(mask).__name__}")
+            raise DatasetError(
+                f"{where}: loss_mask must be a list as long as input_ids "
+                f"({len(ids)}), got {len(mask) if isinstance(mask, list) else type(mask).__name__}"
+            )
         try:
             bits = set(mask) <= _BITS
         except TypeError:  # an unhashable value (a list, a dict) in the mask
@@ -66,8 +74,10 @@ def iter_jsonl(path: Path, lines=None) -> Iterator[Sample]:
         try:
             line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a BOM that starts the file is dropped)
         except UnicodeDecodeError as e:
-            raise DatasetError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at column {e.start + 1}): "
-                               "the input must be UTF-8 JSON lines") from None
+            raise DatasetError(
+                f"{path}:{lineno}: not UTF-8 text ({e.reason} at column {e.start + 1}): "
+                "the input must be UTF-8 JSON lines"
+            ) from None
         if not line.strip():
             continue
         try:
@@ -85,8 +95,9 @@ def arrow_files(path: Path) -> list[Path]:
         state = json.loads((path / "state.json").read_text())
         files = [path / f["filename"] for f in state.get("_data_files", [])]
     except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise DatasetError(f"{path / 'state.json'}: not a saved dataset's state file "
-                           f"({type(e).__name__}: {e})") from None
+        raise DatasetError(
+            f"{path / 'state.json'}: not a saved dataset's state file ({type(e).__name__}: {e})"
+        ) from None
     if not files:
         raise DatasetError(f"{path}: state.json lists no data files")
     missing = [f.name for f in files if not f.is_file()]
@@ -152,8 +163,10 @@ def open_dataset(path: str | Path) -> Iterator[Sample]:
             except (ValueError, AttributeError):
                 splits = []
             hint = f"; pass one split's directory, e.g. {str(p / splits[0])!r}" if splits else ""
-            raise DatasetError(f"{p}: a saved DatasetDict (splits: {', '.join(map(str, splits)) or 'none listed'}), "
-                               f"not one dataset{hint}")
+            raise DatasetError(
+                f"{p}: a saved DatasetDict (splits: {', '.join(map(str, splits)) or 'none listed'}), "
+                f"not one dataset{hint}"
+            )
         raise DatasetError(f"{p}: a directory input must be a saved dataset (state.json + .arrow files)")
     return iter_jsonl(p)
 
@@ -166,6 +179,7 @@ def open_dataset(path: str | Path) -> Iterator[Sample]:
 class InputScan:
     """What ``scan_input`` found: the samples a run reads, those longer than the model takes, and
     the input's fingerprint (recorded in the output's run.json; a resume compares it)."""
+
     samples: int
     overlength: list[tuple[int, int]]  # (index, tokens) of samples over the length limit
     fingerprint: dict
@@ -175,8 +189,13 @@ class InputScan:
 
     def record(self) -> dict:
         """What a later run over the same input (same fingerprint) can take instead of parsing it."""
-        return {"fingerprint": self.fingerprint, "samples": self.samples, "whole": self.whole,
-                "max_len": self.max_len, "overlength": [list(x) for x in self.overlength]}
+        return {
+            "fingerprint": self.fingerprint,
+            "samples": self.samples,
+            "whole": self.whole,
+            "max_len": self.max_len,
+            "overlength": [list(x) for x in self.overlength],
+        }
 
 
 class _CrcLines:
@@ -220,12 +239,16 @@ def input_fingerprint(path: str | Path) -> dict:
 
 def _dir_fingerprint(p: Path) -> dict:
     state = json.loads((p / "state.json").read_text())
-    return {"kind": "saved dataset", "dataset_fingerprint": state.get("_fingerprint"),
-            "files": {f.name: {"bytes": f.stat().st_size, "crc32": file_crc32(f)} for f in arrow_files(p)}}
+    return {
+        "kind": "saved dataset",
+        "dataset_fingerprint": state.get("_fingerprint"),
+        "files": {f.name: {"bytes": f.stat().st_size, "crc32": file_crc32(f)} for f in arrow_files(p)},
+    }
 
 
-def scan_input(path: str | Path, max_samples: int | None = None, max_len: int | None = None,
-               known: dict | None = None) -> InputScan:
+def scan_input(
+    path: str | Path, max_samples: int | None = None, max_len: int | None = None, known: dict | None = None
+) -> InputScan:
     """Read the whole input once: every sample a run will read is validated (the first bad one is a
     DatasetError naming its line or row), counted and measured against ``max_len``; every byte of
     the input is hashed (CRC-32, streamed), also past ``max_samples``, so that the fingerprint is
@@ -235,14 +258,19 @@ def scan_input(path: str | Path, max_samples: int | None = None, max_len: int | 
     (hashed, not parsed) and that scan covered what this run reads, its findings are taken: a
     resume of a large input pays the hash (GB/s), not the parse (tens of MB/s)."""
     p = Path(path)
-    if known and (p.is_file() or (p / "state.json").is_file()) and known.get("max_len") == max_len and (
-            known.get("whole") or (max_samples is not None and max_samples <= known.get("samples", -1))):
+    if (
+        known
+        and (p.is_file() or (p / "state.json").is_file())
+        and known.get("max_len") == max_len
+        and (known.get("whole") or (max_samples is not None and max_samples <= known.get("samples", -1)))
+    ):
         fp = input_fingerprint(p)
         if fp == known.get("fingerprint"):
             n = known["samples"] if max_samples is None else min(known["samples"], max_samples)
             over = [(int(i), int(k)) for i, k in known.get("overlength", []) if i < n]
-            return InputScan(n, over, fp, max_len, whole=bool(known.get("whole")) and n == known["samples"],
-                             recorded=True)
+            return InputScan(
+                n, over, fp, max_len, whole=bool(known.get("whole")) and n == known["samples"], recorded=True
+            )
     samples = open_dataset(p)  # (checks what open_dataset checks: existence, a saved dataset's files)
     count, over = 0, []
 
@@ -265,8 +293,10 @@ def scan_input(path: str | Path, max_samples: int | None = None, max_len: int | 
             lines.rest()
         fp = {"kind": "jsonl", "bytes": lines.bytes, "crc32": f"{lines.crc:08x}"}
     if count == 0 and max_samples != 0:
-        raise DatasetError(f"input {str(p)!r} holds no samples" + (" (only blank lines)" if p.is_file()
-                                                                    and p.stat().st_size else " (it is empty)"))
+        raise DatasetError(
+            f"input {str(p)!r} holds no samples"
+            + (" (only blank lines)" if p.is_file() and p.stat().st_size else " (it is empty)")
+        )
     return InputScan(count, over, fp, max_len, whole=max_samples is None or count < max_samples)
 
 
@@ -282,8 +312,10 @@ def describe_input_change(old: dict, new: dict) -> list[str]:
         return [f"the input's contents changed (same size, CRC-32 {old.get('crc32')} -> {new.get('crc32')})"]
     out = []
     if old.get("dataset_fingerprint") != new.get("dataset_fingerprint"):
-        out.append(f"the saved dataset's fingerprint changed ({old.get('dataset_fingerprint')} -> "
-                   f"{new.get('dataset_fingerprint')})")
+        out.append(
+            f"the saved dataset's fingerprint changed ({old.get('dataset_fingerprint')} -> "
+            f"{new.get('dataset_fingerprint')})"
+        )
     of, nf = old.get("files", {}), new.get("files", {})
     for n in sorted(set(of) | set(nf)):
         if of.get(n) != nf.get(n):

@@ -6,6 +6,7 @@ partly on disk is recomputed whole and only its missing samples are written. Tha
 a resumed dataset byte-identical to an uninterrupted one (the engine is deterministic for a given
 batch; the scheduler splits it the same way).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,17 +14,18 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterable
 from itertools import islice
-from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from .. import versions
 from ..errors import TokenIdError
-from .dataset import DatasetError, Sample, count_arrow_rows, open_dataset, scan_input
-from .shards import ShardWriter, check_shard_size
 from .checksums import check_checksum
+from .dataset import DatasetError, Sample, open_dataset, scan_input
 from .outdir import OutputDir
 from .procwriter import ProcessWriter
+from .reading import _batches, _Prefetch
+from .shards import ShardWriter, check_shard_size
 from .writers import BackgroundWriter
 
 WRITER_MODES = ("auto", "thread", "process")
@@ -48,85 +50,31 @@ def choose_writer(mode: str, generator) -> str:
     engine = getattr(generator, "engine", None)
     return "process" if getattr(engine, "lends_rows", False) and cuda_device_count() > 0 else "thread"
 
+
 logger = logging.getLogger("speculators_compat.pipeline")
 
 
-def _batches(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
-    it = iter(samples)
-    while True:
-        batch = list(islice(it, size))
-        if not batch:
-            return
-        yield batch
-
-
-class _Prefetch:
-    """Batches read one ahead on a thread, so parsing the input overlaps the engine's work (the
-    driver thread only waits for the GPU meanwhile). A reading error (a malformed line) is
-    raised by ``next()`` at the batch it belongs to, as without prefetching; ``close()`` stops
-    the thread when the run ends early."""
-
-    _END = object()
-
-    def __init__(self, it: Iterator, depth: int = 1):
-        import queue
-        import threading
-
-        self._it, self._q, self._stop = it, queue.Queue(maxsize=max(1, depth)), threading.Event()
-        self._t = threading.Thread(target=self._read, name="speculators-compat-read", daemon=True)
-        self._t.start()
-
-    def _read(self) -> None:
-        import queue
-
-        while not self._stop.is_set():
-            try:
-                item = next(self._it, self._END)
-            except BaseException as e:  # handed to the consumer, raised there
-                item = e
-            while not self._stop.is_set():
-                try:
-                    self._q.put(item, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
-            if item is self._END or isinstance(item, BaseException):
-                return
-
-    def next(self):
-        """The next batch, or None at the end."""
-        if self._stop.is_set():
-            return None
-        item = self._q.get()
-        if item is self._END:
-            self._stop.set()
-            return None
-        if isinstance(item, BaseException):
-            self._stop.set()
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._t.join(timeout=5)
-
-
-def count_samples(path: str | Path) -> int | None:
-    p = Path(path)
-    if p.is_file():
-        with open(p, "rb") as f:
-            return sum(1 for line in f if line.strip())
-    if (p / "state.json").exists():
-        return count_arrow_rows(p)
-    return None
-
-
-def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, batch_size: int = 8,
-                max_samples: int | None = None, fmt: str = "pt", on_overlength: str = "truncate",
-                queue_size: int = 2, progress: bool = True, generator=None, writer_threads: int | None = None,
-                layer_id_convention: str = "upstream", writer: str = "auto",
-                checksum: str | None = None, shard_size: int = 1, verify_existing: bool = False,
-                **gen_kwargs) -> dict[str, Any]:
+def run_extract(
+    model: str,
+    input_path: str,
+    output: str,
+    *,
+    layer_ids=None,
+    batch_size: int = 8,
+    max_samples: int | None = None,
+    fmt: str = "pt",
+    on_overlength: str = "truncate",
+    queue_size: int = 2,
+    progress: bool = True,
+    generator=None,
+    writer_threads: int | None = None,
+    layer_id_convention: str = "upstream",
+    writer: str = "auto",
+    checksum: str | None = None,
+    shard_size: int = 1,
+    verify_existing: bool = False,
+    **gen_kwargs,
+) -> dict[str, Any]:
     """Extract ``input_path`` into ``output`` (module docstring). Everything that can be checked
     without an engine is checked before one starts: the output directory (held with a lock; another
     run's output refused), the model's files, and the whole input (every sample validated, the
@@ -135,8 +83,9 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
     model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
-    if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
-                                    or max_samples < 0):
+    if max_samples is not None and (
+        isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0
+    ):
         raise ValueError(f"--max-samples must be an integer >= 0, not {max_samples!r}")
     if writer not in WRITER_MODES:
         raise ValueError(f"writer must be one of {WRITER_MODES}, not {writer!r}")
@@ -147,24 +96,61 @@ def run_extract(model: str, input_path: str, output: str, *, layer_ids=None, bat
     out = OutputDir(output, fmt, checksum, shard_size)
     out.lock()  # (a second run into this output is refused here, naming the first)
     try:
-        return _run_locked(out, model, input_path, layer_ids=layer_ids, batch_size=batch_size,
-                           max_samples=max_samples, fmt=fmt, on_overlength=on_overlength, queue_size=queue_size,
-                           progress=progress, generator=generator, writer_threads=writer_threads,
-                           layer_id_convention=layer_id_convention, writer=writer,
-                           shard_size=shard_size, verify_existing=verify_existing, gen_kwargs=gen_kwargs)
+        return _run_locked(
+            out,
+            model,
+            input_path,
+            layer_ids=layer_ids,
+            batch_size=batch_size,
+            max_samples=max_samples,
+            fmt=fmt,
+            on_overlength=on_overlength,
+            queue_size=queue_size,
+            progress=progress,
+            generator=generator,
+            writer_threads=writer_threads,
+            layer_id_convention=layer_id_convention,
+            writer=writer,
+            shard_size=shard_size,
+            verify_existing=verify_existing,
+            gen_kwargs=gen_kwargs,
+        )
     finally:
         out.unlock()
 
 
 def _warn_overlength(over: list[tuple[int, int]], max_len: int, action: str) -> None:
     shown = ", ".join(f"sample {i} ({n:,} tokens)" for i, n in over[:20])
-    logger.warning("%d sample(s) longer than max_model_len - 1 = %d tokens will be %s: %s%s", len(over), max_len,
-                   action, shown, " ..." if len(over) > 20 else "")
+    logger.warning(
+        "%d sample(s) longer than max_model_len - 1 = %d tokens will be %s: %s%s",
+        len(over),
+        max_len,
+        action,
+        shown,
+        " ..." if len(over) > 20 else "",
+    )
 
 
-def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch_size, max_samples, fmt,
-                on_overlength, queue_size, progress, generator, writer_threads, layer_id_convention, writer,
-                shard_size, verify_existing, gen_kwargs) -> dict[str, Any]:
+def _run_locked(
+    out: OutputDir,
+    model: str,
+    input_path: str,
+    *,
+    layer_ids,
+    batch_size,
+    max_samples,
+    fmt,
+    on_overlength,
+    queue_size,
+    progress,
+    generator,
+    writer_threads,
+    layer_id_convention,
+    writer,
+    shard_size,
+    verify_existing,
+    gen_kwargs,
+) -> dict[str, Any]:
     from ..checkpoint import check_checkpoint, fingerprint_checkpoint
     from ..layers import normalize_layer_ids, read_num_layers
 
@@ -172,30 +158,45 @@ def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch
     # -- before any engine: the model's files, the whole input, the output's record --------------
     check_checkpoint(model)
     if generator is None:
-        ids_ = normalize_layer_ids(layer_ids, read_num_layers(model, bool(gen_kwargs.get("trust_remote_code"))),
-                                   layer_id_convention)
+        ids_ = normalize_layer_ids(
+            layer_ids, read_num_layers(model, bool(gen_kwargs.get("trust_remote_code"))), layer_id_convention
+        )
         max_len = int(gen_kwargs.get("max_model_len") or 2048) - 1
     else:
         ids_, max_len = list(generator.layer_ids), generator.engine.max_model_len - 1
     scan = scan_input(input_path, max_samples, max_len, known=out.recorded().get("input_scan"))
     if scan.overlength and on_overlength == "error":
         i, n = scan.overlength[0]
-        raise DatasetError(f"sample {i} has {n} tokens; at most max_model_len - 1 = {max_len} fit (use "
-                           f"--on-overlength truncate|skip; {len(scan.overlength)} sample(s) are over)")
+        raise DatasetError(
+            f"sample {i} has {n} tokens; at most max_model_len - 1 = {max_len} fit (use "
+            f"--on-overlength truncate|skip; {len(scan.overlength)} sample(s) are over)"
+        )
     if scan.overlength:
-        _warn_overlength(scan.overlength, max_len, "truncated to that length" if on_overlength == "truncate"
-                         else "skipped (no file)")
+        _warn_overlength(
+            scan.overlength, max_len, "truncated to that length" if on_overlength == "truncate" else "skipped (no file)"
+        )
     skip = {i for i, _ in scan.overlength} if on_overlength == "skip" else set()
     total = scan.samples
-    run_info = {"model": os.path.abspath(model) if os.path.exists(model) else model,
-                "input": os.path.abspath(input_path), "layer_ids": ids_,
-                "layer_id_convention": "upstream", "format": fmt, "batch_size": batch_size,
-                "max_model_len": max_len + 1, "on_overlength": on_overlength}
+    run_info = {
+        "model": os.path.abspath(model) if os.path.exists(model) else model,
+        "input": os.path.abspath(input_path),
+        "layer_ids": ids_,
+        "layer_id_convention": "upstream",
+        "format": fmt,
+        "batch_size": batch_size,
+        "max_model_len": max_len + 1,
+        "on_overlength": on_overlength,
+    }
     if shard_size > 1:  # (only then: an output written before shards existed still resumes)
         run_info["shard_size"] = shard_size
     fingerprints = {"model": fingerprint_checkpoint(model), "input": scan.fingerprint}
-    done = out.prepare(run_info, total, fingerprints, verify_existing=verify_existing,
-                       latest={"samples": total, "skipped_overlength": sorted(skip), "input_scan": scan.record()})
+    done = out.prepare(
+        run_info,
+        total,
+        fingerprints,
+        verify_existing=verify_existing,
+        latest={"samples": total, "skipped_overlength": sorted(skip), "input_scan": scan.record()},
+    )
     to_compute = sum(1 for i in range(total) if i not in done and i not in skip)
     import torch  # (not before: the checks above need neither torch nor vLLM)
 
@@ -204,10 +205,17 @@ def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch
     # -- the engine (not started when nothing is left to compute) --------------------------------
     tp = gen_kwargs.get("tensor_parallel_size") or 1
     if generator is not None:
-        tp = getattr(getattr(getattr(generator, "vllm_config", None), "parallel_config", None),
-                     "tensor_parallel_size", None) or tp
-    if to_compute and shard_size == 1 and (writer == "process" or (writer == "auto" and generator is None
-                                                                    and _gpu_host())):
+        tp = (
+            getattr(
+                getattr(getattr(generator, "vllm_config", None), "parallel_config", None), "tensor_parallel_size", None
+            )
+            or tp
+        )
+    if (
+        to_compute
+        and shard_size == 1
+        and (writer == "process" or (writer == "auto" and generator is None and _gpu_host()))
+    ):
         from .procwriter import writer_pool
 
         writer_pool(writer_threads, tp)  # start the writer processes now: they import torch meanwhile
@@ -215,8 +223,9 @@ def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch
     if own_generator:
         from ..generator import VllmHiddenStatesGenerator
 
-        generator = VllmHiddenStatesGenerator(model, layer_ids=ids_, layer_id_convention="upstream",
-                                              on_overlength="error", **gen_kwargs)
+        generator = VllmHiddenStatesGenerator(
+            model, layer_ids=ids_, layer_id_convention="upstream", on_overlength="error", **gen_kwargs
+        )
     try:
         if generator is not None:
             out.confirm({"dtype": str(generator.vllm_config.model_config.dtype).replace("torch.", "")})
@@ -243,8 +252,15 @@ def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch
         if set_slabs is not None:
             set_slabs(slabs)
         bar = _progress(total, progress, initial=0)
-        stats = {"samples_seen": 0, "skipped_done": 0, "computed": 0, "written_new": 0, "tokens": 0,
-                 "truncated": [], "skipped_overlength": []}
+        stats = {
+            "samples_seen": 0,
+            "skipped_done": 0,
+            "computed": 0,
+            "written_new": 0,
+            "tokens": 0,
+            "truncated": [],
+            "skipped_overlength": [],
+        }
         n_seen = 0
         generate_s = put_s = read_s = 0.0
         batches = _Prefetch(_batches(samples, batch_size))
@@ -266,8 +282,10 @@ def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch
                     x, m = s.input_ids, s.loss_mask
                     if len(x) > max_len:
                         if on_overlength == "error":
-                            raise DatasetError(f"sample {s.index} has {len(x)} tokens; at most max_model_len - 1 "
-                                               f"= {max_len} fit (use --on-overlength truncate|skip)")
+                            raise DatasetError(
+                                f"sample {s.index} has {len(x)} tokens; at most max_model_len - 1 "
+                                f"= {max_len} fit (use --on-overlength truncate|skip)"
+                            )
                         if on_overlength == "skip":
                             stats["skipped_overlength"].append(s.index)
                             continue
@@ -290,8 +308,9 @@ def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch
                     if s.index in done:
                         continue
                     lm = token_tensor(m) if m is not None else torch.ones(len(r["input_ids"]), dtype=torch.long)
-                    items.append((s.index, {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
-                                            "loss_mask": lm}))
+                    items.append(
+                        (s.index, {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"], "loss_mask": lm})
+                    )
                     stats["tokens"] += len(r["input_ids"])
                     stats["hidden_size"] = int(r["hidden_states"][0].shape[-1])
                 stats["computed"] += len(keep)
@@ -318,32 +337,50 @@ def _run_locked(out: OutputDir, model: str, input_path: str, *, layer_ids, batch
         write_s = time.time() - t_compute  # from the first batch to the last file written
         write_mib_s = writer.bytes_written / 2**20 / max(write_s, 1e-9)
         write_bound = _warn_if_write_bound(writer.wait_s, write_s, write_mib_s, out.root)
-        manifest = out.finalize(n_seen, extra={
-            "model": run_info["model"], "layer_ids": run_info["layer_ids"], "num_samples": n_seen,
-            "truncated": [i for i, _ in scan.overlength] if on_overlength == "truncate" else [],
-            "skipped_overlength": sorted(skip),
-            "versions": versions.report(), "hidden_size": stats.get("hidden_size")})
+        manifest = out.finalize(
+            n_seen,
+            extra={
+                "model": run_info["model"],
+                "layer_ids": run_info["layer_ids"],
+                "num_samples": n_seen,
+                "truncated": [i for i, _ in scan.overlength] if on_overlength == "truncate" else [],
+                "skipped_overlength": sorted(skip),
+                "versions": versions.report(),
+                "hidden_size": stats.get("hidden_size"),
+            },
+        )
         took = time.time() - t0
-        summary = {"output": str(out.root), "samples": n_seen, "files": manifest["num_files"],
-                   "new_files": stats["written_new"], "already_done": stats["skipped_done"],
-                   "computed": stats["computed"], "tokens_computed": stats["tokens"],
-                   "bytes": manifest["total_bytes"], "seconds": round(took, 2),
-                   "engine_start_s": round(t_compute - t0, 2),
-                   "tokens_per_s": round(stats["tokens"] / max(time.time() - t_compute, 1e-9), 1),
-                   "truncated": len(stats["truncated"]), "skipped_overlength": len(stats["skipped_overlength"]),
-                   "writer": writer_mode, "batch_size": batch_size,
-                   **({"shard_size": shard_size} if shard_size > 1 else {}),
-                   # where the time went (s): engine calls, reading input, handing batches to the
-                   # writer, waiting for it while batches were in flight, and for the last writes
-                   "generate_s": round(generate_s, 3), "read_s": round(read_s, 3),
-                   "handoff_s": round(put_s - writer.wait_s - writer.start_wait_s, 3),
-                   "writer_wait_s": round(writer.wait_s, 3), "writer_tail_s": round(writer.tail_s, 3),
-                   # waiting for writer processes to start (their torch import): not the disk
-                   "writer_start_s": round(writer.start_wait_s, 3),
-                   # what this run wrote, and how fast (over the whole compute phase)
-                   "bytes_written": writer.bytes_written,
-                   "write_mib_per_s": round(write_mib_s, 1),
-                   "write_bound": write_bound}
+        summary = {
+            "output": str(out.root),
+            "samples": n_seen,
+            "files": manifest["num_files"],
+            "new_files": stats["written_new"],
+            "already_done": stats["skipped_done"],
+            "computed": stats["computed"],
+            "tokens_computed": stats["tokens"],
+            "bytes": manifest["total_bytes"],
+            "seconds": round(took, 2),
+            "engine_start_s": round(t_compute - t0, 2),
+            "tokens_per_s": round(stats["tokens"] / max(time.time() - t_compute, 1e-9), 1),
+            "truncated": len(stats["truncated"]),
+            "skipped_overlength": len(stats["skipped_overlength"]),
+            "writer": writer_mode,
+            "batch_size": batch_size,
+            **({"shard_size": shard_size} if shard_size > 1 else {}),
+            # where the time went (s): engine calls, reading input, handing batches to the
+            # writer, waiting for it while batches were in flight, and for the last writes
+            "generate_s": round(generate_s, 3),
+            "read_s": round(read_s, 3),
+            "handoff_s": round(put_s - writer.wait_s - writer.start_wait_s, 3),
+            "writer_wait_s": round(writer.wait_s, 3),
+            "writer_tail_s": round(writer.tail_s, 3),
+            # waiting for writer processes to start (their torch import): not the disk
+            "writer_start_s": round(writer.start_wait_s, 3),
+            # what this run wrote, and how fast (over the whole compute phase)
+            "bytes_written": writer.bytes_written,
+            "write_mib_per_s": round(write_mib_s, 1),
+            "write_bound": write_bound,
+        }
         if writer_mode == "process":
             summary["files_by_writer_processes"] = writer.in_processes
         with open(out.root / "runs.jsonl", "a") as f:  # timings live here, not in the manifest
@@ -366,10 +403,16 @@ def _warn_if_write_bound(wait_s: float, write_s: float, write_mib_s: float, root
     (docs/gpu-results.md section 12): nothing in the pipeline can go faster than the disk."""
     if wait_s < max(WRITE_BOUND_MIN_S, WRITE_BOUND_SHARE * write_s):
         return False
-    logger.warning("the engine waited %.1f s of %.1f s (%.0f%%) for the file writers, which wrote %.0f MiB/s to "
-                   "%s: this run is bound by writing its output. A faster output disk would speed it up, or "
-                   "more writers (--writer-threads) if that disk is not busy.",
-                   wait_s, write_s, 100 * wait_s / max(write_s, 1e-9), write_mib_s, root)
+    logger.warning(
+        "the engine waited %.1f s of %.1f s (%.0f%%) for the file writers, which wrote %.0f MiB/s to "
+        "%s: this run is bound by writing its output. A faster output disk would speed it up, or "
+        "more writers (--writer-threads) if that disk is not busy.",
+        wait_s,
+        write_s,
+        100 * wait_s / max(write_s, 1e-9),
+        write_mib_s,
+        root,
+    )
     return True
 
 
@@ -377,13 +420,14 @@ def _progress(total, enabled: bool, initial: int = 0):
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is optional: a silent stand-in
+
         class _Null:
             def update(self, *a): ...
             def set_postfix_str(self, *a, **k): ...
             def close(self): ...
+
         return _Null()
-    return tqdm(total=total, initial=initial, unit="sample", disable=not enabled, dynamic_ncols=True,
-                desc="extract")
+    return tqdm(total=total, initial=initial, unit="sample", disable=not enabled, dynamic_ncols=True, desc="extract")
 
 
 def main_extract(args) -> int:
@@ -392,14 +436,32 @@ def main_extract(args) -> int:
 
         return main_plan(args)
     summary = run_extract(
-        args.model, args.input, args.output, layer_ids=args.layer_ids, batch_size=args.batch_size,
-        max_samples=args.max_samples, fmt=args.format, on_overlength=args.on_overlength,
-        queue_size=args.queue_size, progress=not args.no_progress, writer_threads=args.writer_threads,
-        writer=args.writer, checksum=args.checksum, shard_size=args.shard_size, verify_existing=args.verify_existing,
-        layer_id_convention=args.layer_id_convention, max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, quantization=args.quantization,
-        trust_remote_code=args.trust_remote_code, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_expert_parallel=args.enable_expert_parallel, async_scheduling=args.async_scheduling)
+        args.model,
+        args.input,
+        args.output,
+        layer_ids=args.layer_ids,
+        batch_size=args.batch_size,
+        max_samples=args.max_samples,
+        fmt=args.format,
+        on_overlength=args.on_overlength,
+        queue_size=args.queue_size,
+        progress=not args.no_progress,
+        writer_threads=args.writer_threads,
+        writer=args.writer,
+        checksum=args.checksum,
+        shard_size=args.shard_size,
+        verify_existing=args.verify_existing,
+        layer_id_convention=args.layer_id_convention,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        trust_remote_code=args.trust_remote_code,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_expert_parallel=args.enable_expert_parallel,
+        async_scheduling=args.async_scheduling,
+    )
     print("summary: " + json.dumps(summary))
     return 0

@@ -9,6 +9,7 @@
 Every file is written to a temp name (``.data_{i}.pt.partial``: not ``*pt``, so the trainer never
 sees it) and renamed into place: a crash leaves either no file or the whole file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,9 @@ def file_name(index: int, fmt: str) -> str:
     return f"data_{index}.{fmt}"
 
 
-def write_sample(path: Path, sample: dict[str, Any], fmt: str, checksum: str = DEFAULT_CHECKSUM) -> tuple[str | None, int]:
+def write_sample(
+    path: Path, sample: dict[str, Any], fmt: str, checksum: str = DEFAULT_CHECKSUM
+) -> tuple[str | None, int]:
     """Write ``sample`` atomically to ``path``; returns (checksum hex or None, bytes). A ``pt`` sample
     is built by :mod:`ptfile` (torch.save's bytes, written from the states' own memory: 0.29-0.30
     against 0.46 ms a tiny-model file) unless it declines. Otherwise a sample whose states exceed
@@ -92,8 +95,12 @@ def _unowned_states(sample: dict[str, Any]) -> dict[str, Any]:
     aliases: dict[tuple, Any] = {}  # a tensor listed twice stays one storage in the file
 
     def alias(h):
-        if (not isinstance(h, torch.Tensor) or h.device.type != "cpu" or not ptfile.owns_its_storage(h)
-                or h.requires_grad):  # (an alias would drop the flag, which torch.save keeps)
+        if (
+            not isinstance(h, torch.Tensor)
+            or h.device.type != "cpu"
+            or not ptfile.owns_its_storage(h)
+            or h.requires_grad
+        ):  # (an alias would drop the flag, which torch.save keeps)
             return h
         nbytes = h.numel() * h.element_size()
         key = (h.data_ptr(), h.dtype, tuple(h.shape))
@@ -167,7 +174,7 @@ def write_parts(path: Path | str, parts: list) -> int:
     try:
         try:
             while i < len(views):
-                n = os.writev(fd, views[i:i + _IOV_MAX])
+                n = os.writev(fd, views[i : i + _IOV_MAX])
                 total += n
                 while n:  # a short write: drop what went out, go on with the rest
                     if n >= views[i].nbytes:

@@ -1,4 +1,5 @@
 """Command-line options of ``extract`` and ``plan`` (shared)."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ def _int_at_least(least: int):
         if v < least:
             raise argparse.ArgumentTypeError(f"expected an integer >= {least}, not {s!r}")
         return v
+
     parse.__name__ = f"integer >= {least}"  # (argparse names the type in some messages)
     return parse
 
@@ -41,15 +43,22 @@ def _fraction(s: str) -> float:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory (or hub id, if reachable)")
-    p.add_argument("--layer-ids", type=_layer_ids, default=None,
-                   help="comma-separated decoder layer ids (default: upstream's [2, n//2, n-3, n-1])")
+    p.add_argument(
+        "--layer-ids",
+        type=_layer_ids,
+        default=None,
+        help="comma-separated decoder layer ids (default: upstream's [2, n//2, n-3, n-1])",
+    )
     p.add_argument("--layer-id-convention", choices=("upstream", "eagle3"), default="upstream")
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
     p.add_argument("--max-model-len", type=_int_at_least(2), default=2048)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None)
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="needed for Kimi-K2.5 (its config/tokenizer classes ship inside the checkpoint)")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="needed for Kimi-K2.5 (its config/tokenizer classes ship inside the checkpoint)",
+    )
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
     p.add_argument("--max-num-seqs", type=_positive_int, default=None)
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.8)
@@ -58,34 +67,60 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_extract_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--input", required=True, help="JSONL ({'input_ids': [...], 'loss_mask': [...]}) or a "
-                   "speculators-preprocessed dataset directory")
+    p.add_argument(
+        "--input",
+        required=True,
+        help="JSONL ({'input_ids': [...], 'loss_mask': [...]}) or a speculators-preprocessed dataset directory",
+    )
     p.add_argument("--output", required=True, help="output directory (data_{i}.pt + manifest.json)")
     p.add_argument("--batch-size", type=_positive_int, default=8)
     p.add_argument("--max-samples", type=_int_at_least(0), default=None)
-    p.add_argument("--format", choices=("pt", "safetensors"), default="pt",
-                   help="pt: speculators' data_{i}.pt, one file a sample (its trainer reads these); "
-                        "safetensors: data_{i}.safetensors, or shards with --shard-size")
-    p.add_argument("--shard-size", type=_positive_int, default=1,
-                   help="with --format safetensors: samples per file (shard_{k}.safetensors holds samples "
-                        "[k*N, (k+1)*N); read with speculators_compat.pipeline.shards.load_shard); "
-                        "1: one file a sample. Shards are written on --writer-threads threads (729 MiB/s with 8 "
-                        "on an H200 host, against ~4 GB/s for data_{i}.pt): for small states only")
+    p.add_argument(
+        "--format",
+        choices=("pt", "safetensors"),
+        default="pt",
+        help="pt: speculators' data_{i}.pt, one file a sample (its trainer reads these); "
+        "safetensors: data_{i}.safetensors, or shards with --shard-size",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=_positive_int,
+        default=1,
+        help="with --format safetensors: samples per file (shard_{k}.safetensors holds samples "
+        "[k*N, (k+1)*N); read with speculators_compat.pipeline.shards.load_shard); "
+        "1: one file a sample. Shards are written on --writer-threads threads (729 MiB/s with 8 "
+        "on an H200 host, against ~4 GB/s for data_{i}.pt): for small states only",
+    )
     p.add_argument("--async-scheduling", choices=("disable", "keep"), default=None)
     p.add_argument("--on-overlength", choices=("truncate", "error", "skip"), default="truncate")
     p.add_argument("--queue-size", type=_positive_int, default=2, help="batches waiting to be written (bounds memory)")
-    p.add_argument("--writer", choices=("auto", "thread", "process"), default="auto",
-                   help="write files on threads or in processes (auto: processes on a GPU host)")
-    p.add_argument("--writer-threads", type=_positive_int, default=None,
-                   help="files written in parallel: threads (default half the CPUs, 2..8) or "
-                        "processes (default on a GPU host: CPUs - 2 - tensor-parallel size, 2..16; "
-                        "elsewhere half the CPUs, 2..16)")
-    p.add_argument("--checksum", choices=CHECKSUMS, default=None,
-                   help="each file's checksum in checksums.jsonl and manifest.json (default: what an earlier "
-                        "run into --output used, else crc32: zlib's CRC-32, ~3x less CPU than sha256)")
-    p.add_argument("--verify-existing", action="store_true",
-                   help="on resume, checksum every file already written (default: those an interrupted run "
-                        "wrote in its last minute, and any whose size or modification time changed)")
+    p.add_argument(
+        "--writer",
+        choices=("auto", "thread", "process"),
+        default="auto",
+        help="write files on threads or in processes (auto: processes on a GPU host)",
+    )
+    p.add_argument(
+        "--writer-threads",
+        type=_positive_int,
+        default=None,
+        help="files written in parallel: threads (default half the CPUs, 2..8) or "
+        "processes (default on a GPU host: CPUs - 2 - tensor-parallel size, 2..16; "
+        "elsewhere half the CPUs, 2..16)",
+    )
+    p.add_argument(
+        "--checksum",
+        choices=CHECKSUMS,
+        default=None,
+        help="each file's checksum in checksums.jsonl and manifest.json (default: what an earlier "
+        "run into --output used, else crc32: zlib's CRC-32, ~3x less CPU than sha256)",
+    )
+    p.add_argument(
+        "--verify-existing",
+        action="store_true",
+        help="on resume, checksum every file already written (default: those an interrupted run "
+        "wrote in its last minute, and any whose size or modification time changed)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
     p.add_argument("--no-progress", action="store_true")
 
@@ -97,6 +132,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--avg-tokens", type=float, default=None)
     p.add_argument("--batch-size", type=_positive_int, default=8, help="as for extract: sizes the host hand-off arena")
     p.add_argument("--queue-size", type=_positive_int, default=2, help="as for extract: sizes the host hand-off arena")
-    p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory (default: detect, "
-                   "else 141 GiB H200)")
+    p.add_argument(
+        "--gpu-memory-gib", type=float, default=None, help="per-GPU memory (default: detect, else 141 GiB H200)"
+    )
     p.add_argument("--json", action="store_true")

@@ -12,6 +12,7 @@
 A rerun keeps the checksum algorithm it finds unless told otherwise (the manifest then rehashes the
 earlier files, so it never mixes algorithms).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,6 @@ from .files import DATA_FILE_RE, SHARD_FILE_RE, atomic_write, done_from_shards, 
 logger = logging.getLogger("speculators_compat.pipeline")
 
 
-
-
 class OutputDir:
     def __init__(self, root: str | Path, fmt: str = "pt", checksum: str | None = None, shard_size: int = 1):
         """``checksum``: see CHECKSUMS; None: the one an earlier run used here, else DEFAULT_CHECKSUM.
@@ -42,8 +41,9 @@ class OutputDir:
     #: run settings a resume may change (run.json keeps the first run's), and what changing them means
     RESUMABLE_CHANGES = {
         "batch_size": "the samples computed now share steps with other neighbours, so their states may "
-                      "differ in the last bits from an uninterrupted run's (vLLM is not batch-invariant); "
-                      "they are as right (a lower --batch-size is the way out of a memory error)"}
+        "differ in the last bits from an uninterrupted run's (vLLM is not batch-invariant); "
+        "they are as right (a lower --batch-size is the way out of a memory error)"
+    }
     #: run.json keys that describe the latest run rather than the dataset: rewritten, never compared
     LATEST = ("samples", "skipped_overlength", "input_scan")
     #: files written within this many seconds of an earlier run's last file are checksummed on
@@ -74,8 +74,10 @@ class OutputDir:
         except OSError:
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
             os.close(fd)
-            raise OutputError(f"{self.root} is being written by another extract ({holder}): wait for it to "
-                              "finish, or use another --output") from None
+            raise OutputError(
+                f"{self.root} is being written by another extract ({holder}): wait for it to "
+                "finish, or use another --output"
+            ) from None
         info = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
         try:
             os.ftruncate(fd, 0)
@@ -101,8 +103,14 @@ class OutputDir:
         except (OSError, ValueError):
             return {}
 
-    def prepare(self, run_info: dict, total: int | None = None, fingerprints: dict | None = None,
-                latest: dict | None = None, verify_existing: bool = False) -> set[int]:
+    def prepare(
+        self,
+        run_info: dict,
+        total: int | None = None,
+        fingerprints: dict | None = None,
+        latest: dict | None = None,
+        verify_existing: bool = False,
+    ) -> set[int]:
         """Create/validate the directory; drop partial and damaged files; return indices already
         complete (``total``: the samples this run reads, if known; it decides whether a short last
         shard is done). ``fingerprints``: {"model": ..., "input": ...} of what the states depend on;
@@ -126,15 +134,16 @@ class OutputDir:
         else:
             foreign = sorted(p.name for p in self.root.iterdir() if not p.name.startswith("."))
             if foreign:
-                raise OutputError(f"{self.root} is not empty ({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}) "
-                                  "and holds no run.json, so it is no extract output: use a new or empty --output")
+                raise OutputError(
+                    f"{self.root} is not empty ({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}) "
+                    "and holds no run.json, so it is no extract output: use a new or empty --output"
+                )
             record = dict(run_info, **({"fingerprints": fingerprints} if fingerprints else {}))
         record.update(latest or {})
         atomic_write(run_file, json.dumps(record, indent=2, sort_keys=True).encode())
         if self.checksum is None:
             earlier = next(iter(self.checksum_records().values()), None)  # an earlier run's choice
-            self.checksum = (next((k for k in CHECKSUMS if k in earlier), "none") if earlier
-                             else DEFAULT_CHECKSUM)
+            self.checksum = next((k for k in CHECKSUMS if k in earlier), "none") if earlier else DEFAULT_CHECKSUM
         for pattern in (".data_*.partial", ".shard_*.partial"):
             for p in self.root.glob(pattern):
                 logger.info("removing partial file %s from an interrupted run", p.name)
@@ -174,36 +183,56 @@ class OutputDir:
         from .dataset import describe_input_change
 
         old_fp = old.get("fingerprints") or {}
-        same_files = {k for k in ("model", "input")
-                      if fingerprints and k in old_fp and old_fp[k] == fingerprints.get(k)}
-        diff = {k: (old.get(k), v) for k, v in run_info.items()
-                if k in old and old.get(k) != v and k not in same_files}
+        same_files = {
+            k for k in ("model", "input") if fingerprints and k in old_fp and old_fp[k] == fingerprints.get(k)
+        }
+        diff = {k: (old.get(k), v) for k, v in run_info.items() if k in old and old.get(k) != v and k not in same_files}
         # a first run that stopped before its engine started has no dtype yet: not a difference
         diff.update({k: (None, v) for k, v in run_info.items() if k not in old and k != "dtype"})
         for k in [k for k in diff if k in self.RESUMABLE_CHANGES]:
             a, b = diff.pop(k)
-            logger.warning("resuming %s with %s %r (the run that made it used %r): %s", self.root, k, b, a,
-                           self.RESUMABLE_CHANGES[k])
+            logger.warning(
+                "resuming %s with %s %r (the run that made it used %r): %s",
+                self.root,
+                k,
+                b,
+                a,
+                self.RESUMABLE_CHANGES[k],
+            )
         for k in same_files:
             if old.get(k) != run_info.get(k):
-                logger.warning("resuming %s with the %s at %s (the run that made it read %s): the same files, "
-                               "by their fingerprint", self.root, k, run_info.get(k), old.get(k))
+                logger.warning(
+                    "resuming %s with the %s at %s (the run that made it read %s): the same files, "
+                    "by their fingerprint",
+                    self.root,
+                    k,
+                    run_info.get(k),
+                    old.get(k),
+                )
         changes = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()]
         if fingerprints:
             if not old_fp:
-                logger.warning("%s was made without fingerprints of its model and input: whether they changed "
-                               "since cannot be checked; recording them now", self.root)
+                logger.warning(
+                    "%s was made without fingerprints of its model and input: whether they changed "
+                    "since cannot be checked; recording them now",
+                    self.root,
+                )
             for k, describe in (("model", describe_model_change), ("input", describe_input_change)):
                 if k in old_fp and k in fingerprints and old_fp[k] != fingerprints[k]:
                     changes += [f"{k} {run_info.get(k)}: {c}" for c in describe(old_fp[k], fingerprints[k])]
         if changes:
-            raise OutputError(f"{self.root} holds a different run ({'; '.join(changes)}); resuming would mix "
-                              "states of two runs in one dataset: use a new --output")
+            raise OutputError(
+                f"{self.root} holds a different run ({'; '.join(changes)}); resuming would mix "
+                "states of two runs in one dataset: use a new --output"
+            )
         keep = {k: v for k, v in old.items() if k not in self.LATEST}
         keep.update({k: v for k, v in run_info.items() if k not in keep})
         if fingerprints:
             keep["fingerprints"] = {**fingerprints, **{k: v for k, v in old_fp.items() if k in fingerprints}}
-            keep["model"], keep["input"] = run_info.get("model", old.get("model")), run_info.get("input", old.get("input"))
+            keep["model"], keep["input"] = (
+                run_info.get("model", old.get("model")),
+                run_info.get("input", old.get("input")),
+            )
         return keep
 
     # -- the files already written -------------------------------------------------------------------
@@ -216,8 +245,11 @@ class OutputDir:
         matches, and one written in the last RECENT_S seconds of the run before (with ``recent``:
         that run did not finish), or with ``verify_all`` any, whose checksum does not match."""
         pattern = SHARD_FILE_RE if self.shard_size > 1 else DATA_FILE_RE
-        files = [p for p in self.root.iterdir() if pattern.match(p.name)
-                 and (self.shard_size > 1 or DATA_FILE_RE.match(p.name).group(2) == self.fmt)]
+        files = [
+            p
+            for p in self.root.iterdir()
+            if pattern.match(p.name) and (self.shard_size > 1 or DATA_FILE_RE.match(p.name).group(2) == self.fmt)
+        ]
         if not files:
             return []
         by_name = {r["file"]: r for r in self.checksum_records().values()}
@@ -236,8 +268,13 @@ class OutputDir:
             tail = recent and "mtime_ns" in rec and rec["mtime_ns"] >= last - int(self.RECENT_S * 1e9)
             algo = next((k for k in CHECKSUMS if rec.get(k)), None)
             if algo and (verify_all or changed or tail) and file_digest(p, algo) != rec[algo]:
-                bad.append((p, f"its {algo} differs from the one recorded when it was written"
-                               + (" (the file was modified since)" if changed else "")))
+                bad.append(
+                    (
+                        p,
+                        f"its {algo} differs from the one recorded when it was written"
+                        + (" (the file was modified since)" if changed else ""),
+                    )
+                )
         for p, why in bad:
             logger.warning("%s: %s; computing it again", p.name, why)
             p.unlink()
@@ -269,9 +306,13 @@ class OutputDir:
             rec = sums.get(i)
             algo = self.checksum or DEFAULT_CHECKSUM
             if rec is None or rec.get("bytes") != p.stat().st_size or (algo != "none" and not rec.get(algo)):
-                rec = {"index": i, "file": name, "bytes": p.stat().st_size,
-                       "tokens": rec.get("tokens") if rec else None,
-                       **({"samples": rec["samples"]} if rec and "samples" in rec else {})}
+                rec = {
+                    "index": i,
+                    "file": name,
+                    "bytes": p.stat().st_size,
+                    "tokens": rec.get("tokens") if rec else None,
+                    **({"samples": rec["samples"]} if rec and "samples" in rec else {}),
+                }
                 if algo != "none":
                     rec[algo] = file_digest(p, algo)
             # (a write time is the run's, not the dataset's: the manifest of a resumed dataset is
@@ -282,9 +323,16 @@ class OutputDir:
         manifest = dict(extra)
         if self.shard_size > 1:
             manifest["shard_size"] = self.shard_size
-        manifest.update({"format": self.fmt, "checksum": self.checksum or DEFAULT_CHECKSUM, "num_files": len(files),
-                         "total_bytes": sum(f["bytes"] for f in files),
-                         "total_tokens": sum(f["tokens"] or 0 for f in files), "files": files})
+        manifest.update(
+            {
+                "format": self.fmt,
+                "checksum": self.checksum or DEFAULT_CHECKSUM,
+                "num_files": len(files),
+                "total_bytes": sum(f["bytes"] for f in files),
+                "total_tokens": sum(f["tokens"] or 0 for f in files),
+                "files": files,
+            }
+        )
         atomic_write(self.root / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
         return manifest
 

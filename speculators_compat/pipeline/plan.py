@@ -12,6 +12,7 @@ also inside a VLM's ``text_config``; a ViT tower from ``vision_config``), applie
     queue_size + 2 batches of states there, each slab sized with the worker's headroom;
   * hidden-state bytes per token and, with a dataset, for the whole output (+ ids and loss masks).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-GiB = 1024 ** 3
-GB = 1000 ** 3
+GiB = 1024**3
+GB = 1000**3
 
 
 @dataclass
@@ -135,11 +136,23 @@ def count_params(cfg: dict) -> dict[str, Any]:
     return {"groups": groups, "is_mla": is_mla, "hidden": h, "layers": n}
 
 
-def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_num_batched_tokens: int | None = None,
-              gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.8, dtype_bytes: int = 2,
-              num_samples: int | None = None, avg_tokens: float | None = None, total_tokens: int | None = None,
-              max_model_len: int = 2048, batch_size: int | None = None, queue_size: int = 2,
-              max_batch_tokens: int | None = None) -> Plan:
+def make_plan(
+    model: str,
+    *,
+    layer_ids=None,
+    tensor_parallel_size: int = 1,
+    max_num_batched_tokens: int | None = None,
+    gpu_memory_gib: float | None = None,
+    gpu_memory_utilization: float = 0.8,
+    dtype_bytes: int = 2,
+    num_samples: int | None = None,
+    avg_tokens: float | None = None,
+    total_tokens: int | None = None,
+    max_model_len: int = 2048,
+    batch_size: int | None = None,
+    queue_size: int = 2,
+    max_batch_tokens: int | None = None,
+) -> Plan:
     from ..layers import default_layer_ids, normalize_layer_ids
 
     cfg_path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
@@ -154,7 +167,7 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
     qbits, _ignore, qdesc = _quant(cfg)
     total = quant = 0
     wbytes_total = wbytes_gpu = 0.0
-    for name, count, sharded, routed in info["groups"]:
+    for _name, count, sharded, routed in info["groups"]:
         # int-N checkpoints of MoE models (Kimi-K2.x) quantize the routed experts only; attention,
         # shared experts, the dense layer, embeddings and the ViT stay bf16 (their ignore list)
         q = bool(qbits) and routed
@@ -180,13 +193,17 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
     # activation peak of one prefill step, rough: a few hidden-sized buffers per token plus logits
     activation = mnbt * (8 * h + (t["vocab_size"] // tp)) * 4
     kv_budget = int(gpu_bytes * gpu_memory_utilization - wbytes_gpu - activation - capture_step)
-    notes = [f"quantization: {qdesc}",
-             f"tokens per step: {mnbt} (max_num_batched_tokens; chunked prefill splits longer prompts)",
-             f"activation peak per step (estimate): {activation / GiB:.1f} GiB per GPU"]
+    notes = [
+        f"quantization: {qdesc}",
+        f"tokens per step: {mnbt} (max_num_batched_tokens; chunked prefill splits longer prompts)",
+        f"activation peak per step (estimate): {activation / GiB:.1f} GiB per GPU",
+    ]
     vit = sum(count for name, count, _, _ in info["groups"] if name.startswith("vision tower"))
     if vit:
-        notes.append(f"vision tower: {vit * dtype_bytes / GiB:.2f} GiB, counted on every GPU; extraction is text "
-                     "only and vLLM 0.17+ does not load it (language_model_only), so that much is spare there")
+        notes.append(
+            f"vision tower: {vit * dtype_bytes / GiB:.2f} GiB, counted on every GPU; extraction is text "
+            "only and vLLM 0.17+ does not load it (language_model_only), so that much is spare there"
+        )
     if kv_budget <= 0:
         notes.append("WEIGHTS DO NOT FIT: raise tensor parallelism or use a quantized checkpoint")
     ds = None
@@ -194,9 +211,12 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
         total_tokens = int(num_samples * avg_tokens)
     per_token_disk = hidden_per_token + 8 + 8  # + int64 input_ids and loss_mask
     if total_tokens:
-        ds = {"samples": num_samples, "tokens": total_tokens,
-              "hidden_state_bytes": total_tokens * hidden_per_token,
-              "disk_bytes": total_tokens * per_token_disk + (num_samples or 0) * 1500}
+        ds = {
+            "samples": num_samples,
+            "tokens": total_tokens,
+            "hidden_state_bytes": total_tokens * hidden_per_token,
+            "disk_bytes": total_tokens * per_token_disk + (num_samples or 0) * 1500,
+        }
     handoff_tokens = handoff = None
     if batch_size:
         from ..engine import ARENA_HEADROOM
@@ -205,16 +225,31 @@ def make_plan(model: str, *, layer_ids=None, tensor_parallel_size: int = 1, max_
         # the slabs the pipeline asks for (its queue plus the batch computed), each with headroom
         slabs = max(1, queue_size) + 2
         handoff = int(slabs * ARENA_HEADROOM * handoff_tokens * hidden_per_token)
-    return Plan(model=str(model), architecture=(cfg.get("architectures") or ["?"])[0], num_layers=n,
-                hidden_size=h, layer_ids=ids, tensor_parallel_size=tp, params_total=int(total),
-                params_quantized=int(quant), weight_bytes_total=int(wbytes_total),
-                weight_bytes_per_gpu=int(wbytes_gpu), kv_bytes_per_token_per_gpu=int(kv),
-                tokens_per_step=mnbt, capture_bytes_per_step=int(capture_step),
-                hidden_bytes_per_token=hidden_per_token, disk_bytes_per_token=per_token_disk,
-                gpu_memory_bytes=gpu_bytes,
-                kv_cache_bytes_per_gpu=max(kv_budget, 0), kv_cache_tokens=max(kv_budget, 0) // max(kv, 1),
-                notes=notes, dataset=ds, batch_size=batch_size, handoff_batch_tokens=handoff_tokens,
-                handoff_bytes=handoff)
+    return Plan(
+        model=str(model),
+        architecture=(cfg.get("architectures") or ["?"])[0],
+        num_layers=n,
+        hidden_size=h,
+        layer_ids=ids,
+        tensor_parallel_size=tp,
+        params_total=int(total),
+        params_quantized=int(quant),
+        weight_bytes_total=int(wbytes_total),
+        weight_bytes_per_gpu=int(wbytes_gpu),
+        kv_bytes_per_token_per_gpu=int(kv),
+        tokens_per_step=mnbt,
+        capture_bytes_per_step=int(capture_step),
+        hidden_bytes_per_token=hidden_per_token,
+        disk_bytes_per_token=per_token_disk,
+        gpu_memory_bytes=gpu_bytes,
+        kv_cache_bytes_per_gpu=max(kv_budget, 0),
+        kv_cache_tokens=max(kv_budget, 0) // max(kv, 1),
+        notes=notes,
+        dataset=ds,
+        batch_size=batch_size,
+        handoff_batch_tokens=handoff_tokens,
+        handoff_bytes=handoff,
+    )
 
 
 def _detect_gpu_gib() -> float | None:
@@ -234,25 +269,31 @@ def format_plan(p: Plan) -> str:
     def gib(b):
         return f"{b / GiB:,.1f} GiB ({b / GB:,.1f} GB)"
 
-    lines = [f"plan for {p.model} ({p.architecture}), tensor parallel {p.tensor_parallel_size}",
-             f"  layers {p.num_layers}, hidden {p.hidden_size}, capture layer ids {p.layer_ids}",
-             f"  parameters: {p.params_total / 1e9:,.1f} B ({p.params_quantized / 1e9:,.1f} B quantized)",
-             f"  weights: total {gib(p.weight_bytes_total)}; per GPU {gib(p.weight_bytes_per_gpu)}",
-             f"  GPU memory {gib(p.gpu_memory_bytes)} per GPU; KV cache left {gib(p.kv_cache_bytes_per_gpu)} "
-             f"= {p.kv_cache_tokens:,} tokens at {p.kv_bytes_per_token_per_gpu:,} B/token/GPU",
-             f"  per step: {p.tokens_per_step:,} tokens; capture buffers {gib(p.capture_bytes_per_step)} on GPU",
-             f"  hidden states: {p.hidden_bytes_per_token:,} B per token ({len(p.layer_ids)} layers x "
-             f"{p.hidden_size} x 2 B)",
-             f"  output disk: {p.disk_bytes_per_token * 1000 / 1e6:,.1f} MB/s for each 1,000 tokens/s extracted "
-             f"(the pipeline goes no faster than its output disk writes)"]
+    lines = [
+        f"plan for {p.model} ({p.architecture}), tensor parallel {p.tensor_parallel_size}",
+        f"  layers {p.num_layers}, hidden {p.hidden_size}, capture layer ids {p.layer_ids}",
+        f"  parameters: {p.params_total / 1e9:,.1f} B ({p.params_quantized / 1e9:,.1f} B quantized)",
+        f"  weights: total {gib(p.weight_bytes_total)}; per GPU {gib(p.weight_bytes_per_gpu)}",
+        f"  GPU memory {gib(p.gpu_memory_bytes)} per GPU; KV cache left {gib(p.kv_cache_bytes_per_gpu)} "
+        f"= {p.kv_cache_tokens:,} tokens at {p.kv_bytes_per_token_per_gpu:,} B/token/GPU",
+        f"  per step: {p.tokens_per_step:,} tokens; capture buffers {gib(p.capture_bytes_per_step)} on GPU",
+        f"  hidden states: {p.hidden_bytes_per_token:,} B per token ({len(p.layer_ids)} layers x "
+        f"{p.hidden_size} x 2 B)",
+        f"  output disk: {p.disk_bytes_per_token * 1000 / 1e6:,.1f} MB/s for each 1,000 tokens/s extracted "
+        f"(the pipeline goes no faster than its output disk writes)",
+    ]
     if p.handoff_bytes is not None:
-        lines.append(f"  host hand-off (/dev/shm on TP rank 0's host, page-locked on a GPU): up to "
-                     f"{gib(p.handoff_bytes)} while extracting (largest batch {p.handoff_batch_tokens:,} "
-                     f"tokens; docker: --shm-size or --ipc=host)")
+        lines.append(
+            f"  host hand-off (/dev/shm on TP rank 0's host, page-locked on a GPU): up to "
+            f"{gib(p.handoff_bytes)} while extracting (largest batch {p.handoff_batch_tokens:,} "
+            f"tokens; docker: --shm-size or --ipc=host)"
+        )
     if p.dataset:
         d = p.dataset
-        lines.append(f"  dataset: {d['samples'] or '?'} samples, {d['tokens']:,} tokens -> hidden states "
-                     f"{gib(d['hidden_state_bytes'])}; disk needed {gib(d['disk_bytes'])}")
+        lines.append(
+            f"  dataset: {d['samples'] or '?'} samples, {d['tokens']:,} tokens -> hidden states "
+            f"{gib(d['hidden_state_bytes'])}; disk needed {gib(d['disk_bytes'])}"
+        )
     lines += [f"  note: {x}" for x in p.notes]
     return "\n".join(lines)
 
@@ -275,14 +316,20 @@ def main_plan(args) -> int:
             total_tokens += n
             in_batch += n
             max_batch = max(max_batch, in_batch)
-    p = make_plan(args.model, layer_ids=args.layer_ids, tensor_parallel_size=args.tensor_parallel_size,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  gpu_memory_gib=getattr(args, "gpu_memory_gib", None),
-                  gpu_memory_utilization=args.gpu_memory_utilization,
-                  num_samples=num or getattr(args, "num_samples", None),
-                  avg_tokens=getattr(args, "avg_tokens", None), total_tokens=total_tokens or None,
-                  max_model_len=args.max_model_len, batch_size=getattr(args, "batch_size", None),
-                  queue_size=getattr(args, "queue_size", 2),
-                  max_batch_tokens=max_batch if getattr(args, "input", None) else None)
+    p = make_plan(
+        args.model,
+        layer_ids=args.layer_ids,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_gib=getattr(args, "gpu_memory_gib", None),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_samples=num or getattr(args, "num_samples", None),
+        avg_tokens=getattr(args, "avg_tokens", None),
+        total_tokens=total_tokens or None,
+        max_model_len=args.max_model_len,
+        batch_size=getattr(args, "batch_size", None),
+        queue_size=getattr(args, "queue_size", 2),
+        max_batch_tokens=max_batch if getattr(args, "input", None) else None,
+    )
     print(json.dumps(asdict(p), indent=2) if getattr(args, "json", False) else format_plan(p))
     return 0

@@ -2,6 +2,7 @@
 the default on GPU hosts), which map the engine's lent arena blocks themselves, so no hidden state
 crosses a pipe and no driver thread competes for the GIL with the driver's own spinning thread.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -37,8 +38,10 @@ _POOL_LOCK = threading.Lock()
 
 
 def _died(proc, exitcode) -> WriterProcessDied:
-    return WriterProcessDied(f"writer process {proc.name} (pid {proc.pid}) died with exit code {exitcode}; "
-                             "files already written are complete, rerun to resume")
+    return WriterProcessDied(
+        f"writer process {proc.name} (pid {proc.pid}) died with exit code {exitcode}; "
+        "files already written are complete, rerun to resume"
+    )
 
 
 def default_writer_processes(gpu_workers: int | None = None) -> int:
@@ -97,10 +100,9 @@ def _writer_process_main(task_conn, result_conn) -> None:
     import gc
     import mmap
     import pickle
-
-    import numpy as np
     import select
 
+    import numpy as np
     import torch
 
     torch.set_num_threads(1)
@@ -138,8 +140,11 @@ def _writer_process_main(task_conn, result_conn) -> None:
                             mm = maps[path] = mmap.mmap(f.fileno(), 0)
                     buf = np.frombuffer(mm, dtype=np.uint8, count=rows * hidden * dtype.itemsize, offset=off)
                     layers.append(torch.from_numpy(buf).view(dtype).view(rows, hidden))
-                sample = {"input_ids": torch.from_numpy(input_ids), "hidden_states": layers,
-                          "loss_mask": torch.from_numpy(loss_mask)}
+                sample = {
+                    "input_ids": torch.from_numpy(input_ids),
+                    "hidden_states": layers,
+                    "loss_mask": torch.from_numpy(loss_mask),
+                }
                 digest, nbytes = write_sample(Path(root) / file_name(index, fmt), sample, fmt, checksum)
                 done.append((index, digest, nbytes, int(input_ids.size)))
             except BaseException as e:  # reported to the driver, which stops the run
@@ -164,8 +169,9 @@ class _WriterProc:
     def __init__(self, ctx, i: int):
         task_r, self.task_w = ctx.Pipe(duplex=False)
         self.results, result_w = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_writer_process_main, name=f"speculators-compat-write-{i}",
-                                args=(task_r, result_w), daemon=True)
+        self.proc = ctx.Process(
+            target=_writer_process_main, name=f"speculators-compat-write-{i}", args=(task_r, result_w), daemon=True
+        )
         self.proc.start()
         task_r.close()  # the child's ends: when the driver dies, the child reads end-of-file
         result_w.close()
@@ -240,8 +246,9 @@ class _WriterPool:
                     try:
                         msg = conn.recv()
                     except (EOFError, OSError):
-                        raise WriterProcessDied(f"writer process {w.proc.name} died at start-up "
-                                                f"(exit code {w.proc.exitcode})") from None
+                        raise WriterProcessDied(
+                            f"writer process {w.proc.name} died at start-up (exit code {w.proc.exitcode})"
+                        ) from None
                     if msg[0] != "pong":
                         raise OutputError(f"writer process {w.proc.name} answered {msg[0]!r} to a ping")
                     w.answered = True
@@ -311,8 +318,14 @@ class ProcessWriter(_Writer):
     checksums.jsonl as BackgroundWriter.
     """
 
-    def __init__(self, out: OutputDir, describe, queue_size: int = 2, processes: int | None = None,
-                 gpu_workers: int | None = None):
+    def __init__(
+        self,
+        out: OutputDir,
+        describe,
+        queue_size: int = 2,
+        processes: int | None = None,
+        gpu_workers: int | None = None,
+    ):
         from concurrent.futures import ThreadPoolExecutor
 
         self.pool = writer_pool(processes, gpu_workers)
@@ -366,9 +379,15 @@ class ProcessWriter(_Writer):
                 procs[k].load += size
                 self._sizes[index] = (procs[k], size)
                 tasks.setdefault(k, []).append(
-                    (index, np.ascontiguousarray(sample["input_ids"].numpy()),
-                     np.ascontiguousarray(sample["loss_mask"].numpy()), blocks,
-                     int(h0.shape[-1]), str(h0.dtype).replace("torch.", "")))
+                    (
+                        index,
+                        np.ascontiguousarray(sample["input_ids"].numpy()),
+                        np.ascontiguousarray(sample["loss_mask"].numpy()),
+                        blocks,
+                        int(h0.shape[-1]),
+                        str(h0.dtype).replace("torch.", ""),
+                    )
+                )
             else:
                 self._local.submit(self._write_local, index, sample)
                 self.on_threads += 1
@@ -378,8 +397,9 @@ class ProcessWriter(_Writer):
 
     def _write_local(self, index: int, sample: dict) -> None:
         try:
-            digest, nbytes = write_sample(self.out.root / file_name(index, self.out.fmt), sample, self.out.fmt,
-                                          self._sums.checksum)
+            digest, nbytes = write_sample(
+                self.out.root / file_name(index, self.out.fmt), sample, self.out.fmt, self._sums.checksum
+            )
             self._done(index, digest, nbytes, int(sample["input_ids"].numel()))
         except BaseException as e:
             self._fail(e)
@@ -488,5 +508,3 @@ class ProcessWriter(_Writer):
 
 
 atexit.register(shutdown_writer_pool)  # let the processes finish and exit before the interpreter
-
-

@@ -23,6 +23,7 @@ The archive torch.save writes (the "zip" serialization, torch >= 1.6), as observ
   * the serialization id: 20 digits that depend only on the record names (taken from the probe),
     then 20 digits folding the records' CRC-32s.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -42,13 +43,18 @@ logger = logging.getLogger("speculators_compat.pipeline")
 # Every torch internal this module relies on (docs/inventory.md lists them; scripts/gen_inventory.py):
 # (internal, what we use it for, checked versions, risk if it changes)
 TORCH_INTERNALS = [
-    ("torch.save's zip archive (records, 64-byte alignment, data descriptors, zip64 end, serialization id)",
-     "build data_{i}.pt directly (pipeline/ptfile.py)",
-     "torch 2.8, 2.9.1, 2.10, 2.11, 2.13 (byte-identical on 200 random samples in each)",
-     "low: checked against torch.save in every process before use; any difference: torch.save writes, with a warning"),
-    ("torch._utils._rebuild_tensor_v2, torch.storage._dtype_to_storage_type_map(), UntypedStorage._cdata",
-     "the pickle torch.save makes for a plain CPU tensor; storage identity as torch.save keys it",
-     "the same", "low: the same self-check; a missing name fails it (torch.save then writes)"),
+    (
+        "torch.save's zip archive (records, 64-byte alignment, data descriptors, zip64 end, serialization id)",
+        "build data_{i}.pt directly (pipeline/ptfile.py)",
+        "torch 2.8, 2.9.1, 2.10, 2.11, 2.13 (byte-identical on 200 random samples in each)",
+        "low: checked against torch.save in every process before use; any difference: torch.save writes, with a warning",
+    ),
+    (
+        "torch._utils._rebuild_tensor_v2, torch.storage._dtype_to_storage_type_map(), UntypedStorage._cdata",
+        "the pickle torch.save makes for a plain CPU tensor; storage identity as torch.save keys it",
+        "the same",
+        "low: the same self-check; a missing name fails it (torch.save then writes)",
+    ),
 ]
 
 ALIGN = 64
@@ -96,8 +102,7 @@ def owns_its_storage(t) -> bool:
     """``t`` is exactly its storage's bytes (contiguous, from offset 0, nothing more): the states
     the torch.save path saves through an alias (``writer._unowned_states``)."""
     nbytes = t.numel() * t.element_size()
-    return (nbytes > 0 and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == nbytes)
+    return nbytes > 0 and t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes
 
 
 class _Pickler(pickle.Pickler):
@@ -113,8 +118,11 @@ class Encoder:
 
         self.before, self.after = before, after  # the fixed records around the storages
         self.keys_as_text = keys_as_text  # storages in text order of their keys ("10" < "2"), else as met
-        self._storage_types = {d: getattr(torch, n) for d, n in torch.storage._dtype_to_storage_type_map().items()
-                               if not n.startswith("Q") and hasattr(torch, n)}
+        self._storage_types = {
+            d: getattr(torch, n)
+            for d, n in torch.storage._dtype_to_storage_type_map().items()
+            if not n.startswith("Q") and hasattr(torch, n)
+        }
         self._name_hash: dict[int, int | None] = {}  # storage count -> first half of the serialization id
 
     # -- the pickle ---------------------------------------------------------------------------
@@ -129,8 +137,15 @@ class Encoder:
         ``alias``: the key the torch.save path would alias ``t`` under, if any."""
         import torch
 
-        if (t.layout is not torch.strided or t.device.type != "cpu" or t.requires_grad or t.is_conj()
-                or t.is_neg() or t.dtype not in self._storage_types or t.__dict__):
+        if (
+            t.layout is not torch.strided
+            or t.device.type != "cpu"
+            or t.requires_grad
+            or t.is_conj()
+            or t.is_neg()
+            or t.dtype not in self._storage_types
+            or t.__dict__
+        ):
             return None
         st = t.untyped_storage()
         nbytes = st.nbytes()
@@ -212,14 +227,21 @@ class Encoder:
             pad = -start % ALIGN
             crc = zlib.crc32(data)
             size = len(data)
-            out.append(_LOCAL.pack(b"PK\x03\x04", 0, 0x0808, 0, 0, 0, 0, 0, 0, len(bname), 4 + pad)
-                       + bname + b"FB" + struct.pack("<H", pad) + b"Z" * pad)
+            out.append(
+                _LOCAL.pack(b"PK\x03\x04", 0, 0x0808, 0, 0, 0, 0, 0, 0, len(bname), 4 + pad)
+                + bname
+                + b"FB"
+                + struct.pack("<H", pad)
+                + b"Z" * pad
+            )
             if size:
                 out.known_crcs[len(out)] = crc  # (the file's own checksum reuses it: crc.of_parts)
                 out.append(data)
             out.append(_DESCRIPTOR.pack(b"PK\x07\x08", crc, size, size))
-            central.append(_CENTRAL.pack(b"PK\x01\x02", 0, 0, 0x0808, 0, 0, 0, crc, size, size, len(bname),
-                                         0, 0, 0, 0, 0, offset) + bname)
+            central.append(
+                _CENTRAL.pack(b"PK\x01\x02", 0, 0, 0x0808, 0, 0, 0, crc, size, size, len(bname), 0, 0, 0, 0, 0, offset)
+                + bname
+            )
             offset = start + pad + size + _DESCRIPTOR.size
             crc_fold = _fold(crc_fold, crc)
 
@@ -230,9 +252,11 @@ class Encoder:
             return None
         cd = b"".join(central)
         n = len(central)
-        tail = (_ZIP64_END.pack(b"PK\x06\x06", 44, 0x031E, 0x2D, 0, 0, n, n, len(cd), offset)
-                + _ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, offset + len(cd), 1)
-                + _END.pack(b"PK\x05\x06", 0, 0, n, n, len(cd), offset, 0))
+        tail = (
+            _ZIP64_END.pack(b"PK\x06\x06", 44, 0x031E, 0x2D, 0, 0, n, n, len(cd), offset)
+            + _ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, offset + len(cd), 1)
+            + _END.pack(b"PK\x05\x06", 0, 0, n, n, len(cd), offset, 0)
+        )
         out.append(cd + tail)
         return out
 
@@ -246,8 +270,12 @@ class Encoder:
         sid = _records(_torch_save(probe)).get(".data/serialization_id", b"")
         got = int(sid[:20]) if len(sid) == 40 and sid.isdigit() else None
         if got is None:
-            logger.warning("data_{i}.pt files with %d tensors are written by torch.save (slower): its "
-                           "serialization id %r is not the 40 digits the direct encoder knows", n_storages, sid)
+            logger.warning(
+                "data_{i}.pt files with %d tensors are written by torch.save (slower): its "
+                "serialization id %r is not the 40 digits the direct encoder knows",
+                n_storages,
+                sid,
+            )
         self._name_hash[n_storages] = got
         return got
 
@@ -277,7 +305,7 @@ def _records(data: bytes) -> dict[str, bytes]:
     import zipfile
 
     with zipfile.ZipFile(io.BytesIO(data)) as z:
-        return {i.filename[len(PREFIX):]: z.read(i) for i in z.infolist() if i.filename.startswith(PREFIX)}
+        return {i.filename[len(PREFIX) :]: z.read(i) for i in z.infolist() if i.filename.startswith(PREFIX)}
 
 
 def _probes() -> list[dict]:
@@ -289,10 +317,16 @@ def _probes() -> list[dict]:
     h = [torch.randn(7, 5, generator=g).to(torch.bfloat16) for _ in range(3)]
     return [
         {"input_ids": torch.arange(7), "hidden_states": h, "loss_mask": torch.ones(7, dtype=torch.long)},
-        {"input_ids": torch.arange(6)[1:4], "hidden_states": [h[0][:3].clone(), h[0][:3].clone()[None][0]] * 2,
-         "loss_mask": torch.zeros(3, dtype=torch.long)},
-        {"input_ids": torch.arange(1), "hidden_states": [torch.randn(1, 13, generator=g) for _ in range(12)],
-         "loss_mask": torch.ones(1, dtype=torch.long)},
+        {
+            "input_ids": torch.arange(6)[1:4],
+            "hidden_states": [h[0][:3].clone(), h[0][:3].clone()[None][0]] * 2,
+            "loss_mask": torch.zeros(3, dtype=torch.long),
+        },
+        {
+            "input_ids": torch.arange(1),
+            "hidden_states": [torch.randn(1, 13, generator=g) for _ in range(12)],
+            "loss_mask": torch.ones(1, dtype=torch.long),
+        },
     ]
 
 
@@ -310,8 +344,11 @@ def _build() -> tuple[Encoder | None, str]:
         if names[0] != "data.pkl" or names[-1] != ".data/serialization_id":
             return None, f"torch {torch.__version__} writes records {names}, not the layout this encoder knows"
         many = [n for n in _records(_torch_save(probes[2])) if n.startswith("data/")]  # 14 storages
-        enc = Encoder([(n, recs[n]) for n in names[1:first]], [(n, recs[n]) for n in names[last + 1:-1]],
-                      keys_as_text=many == sorted(many))
+        enc = Encoder(
+            [(n, recs[n]) for n in names[1:first]],
+            [(n, recs[n]) for n in names[last + 1 : -1]],
+            keys_as_text=many == sorted(many),
+        )
         for i, p in enumerate(probes):
             parts = enc.encode(p)
             if parts is None:
@@ -335,8 +372,11 @@ def encoder() -> Encoder | None:
             if not _ENCODER:
                 enc, why = _build()
                 if enc is None:
-                    logger.warning("data_{i}.pt files are written by torch.save (slower), since the direct "
-                                   "encoder does not match it here: %s", why)
+                    logger.warning(
+                        "data_{i}.pt files are written by torch.save (slower), since the direct "
+                        "encoder does not match it here: %s",
+                        why,
+                    )
                 _ENCODER.append(enc)
     return _ENCODER[0]
 

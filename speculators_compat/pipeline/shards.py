@@ -28,6 +28,7 @@ The shard writer holds the shard being filled and at most one shard per writer t
 written (each up to N samples, copied out of the engine's lent rows so that the engine can reuse
 them) on top of the write queue: host memory grows with N and the threads, not with the dataset.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,18 +51,21 @@ def check_shard_size(shard_size: Any, fmt: str, writer: str) -> int:
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(f"--shard-size must be an integer >= 1 (samples per file), not {shard_size!r}")
     if shard_size > 1 and fmt != "safetensors":
-        raise ValueError(f"--shard-size {shard_size} needs --format safetensors: speculators' trainer reads one "
-                         f"data_{{i}}.pt per sample, so the pt format is never sharded")
+        raise ValueError(
+            f"--shard-size {shard_size} needs --format safetensors: speculators' trainer reads one "
+            f"data_{{i}}.pt per sample, so the pt format is never sharded"
+        )
     if shard_size > 1 and writer == "process":
-        raise ValueError("--shard-size > 1 writes with threads: --writer process is not supported with it "
-                         "(use --writer auto or thread)")
+        raise ValueError(
+            "--shard-size > 1 writes with threads: --writer process is not supported with it "
+            "(use --writer auto or thread)"
+        )
     return shard_size
 
 
 def shard_bytes(samples: list[tuple[int, dict]], first: int, end: int) -> bytes:
     """One shard's file contents (safetensors), from (index, sample) pairs in index order."""
     from safetensors.torch import save
-
 
     tensors = {}
     for i, s in samples:
@@ -85,8 +89,14 @@ def load_shard(path: str | Path) -> list[dict[str, Any]]:
     out = []
     for i in indices:
         n = sum(1 for k in t if k.startswith(f"{i}.hidden_states."))
-        out.append({"index": i, "input_ids": t[f"{i}.input_ids"], "loss_mask": t[f"{i}.loss_mask"],
-                    "hidden_states": [t[f"{i}.hidden_states.{j}"] for j in range(n)]})
+        out.append(
+            {
+                "index": i,
+                "input_ids": t[f"{i}.input_ids"],
+                "loss_mask": t[f"{i}.loss_mask"],
+                "hidden_states": [t[f"{i}.hidden_states.{j}"] for j in range(n)],
+            }
+        )
     return out
 
 
@@ -98,7 +108,6 @@ class ShardWriter(_Writer):
 
     def __init__(self, out, queue_size: int = 2, threads: int | None = None):
         from concurrent.futures import ThreadPoolExecutor
-
 
         n = threads if threads is not None else default_writer_threads()
         if n < 1:
@@ -135,8 +144,11 @@ class ShardWriter(_Writer):
     def _take(self, msg: tuple[list[tuple[int, dict]], int | None]) -> None:
         items, upto = msg
         for i, s in items:  # owned copies: the engine's lent rows go back at once
-            own = {"input_ids": s["input_ids"].clone(), "loss_mask": s["loss_mask"].clone(),
-                   "hidden_states": [h.clone() for h in s["hidden_states"]]}
+            own = {
+                "input_ids": s["input_ids"].clone(),
+                "loss_mask": s["loss_mask"].clone(),
+                "hidden_states": [h.clone() for h in s["hidden_states"]],
+            }
             self._pending.setdefault(i // self.size, []).append((i, own))
         if upto is not None:
             self._flush(upto, final=False)
@@ -178,8 +190,14 @@ class ShardWriter(_Writer):
         atomic_write(self.out.root / shard_name(k), data)
         digest = new_digest(self._sums.checksum, data).hexdigest()
         with self._lock:
-            self._sums.add(first, digest, len(data), sum(int(s["input_ids"].numel()) for _, s in samples),
-                           file=shard_name(k), samples=len(samples))
+            self._sums.add(
+                first,
+                digest,
+                len(data),
+                sum(int(s["input_ids"].numel()) for _, s in samples),
+                file=shard_name(k),
+                samples=len(samples),
+            )
 
     def close(self) -> None:
         t = time.perf_counter()

@@ -10,6 +10,7 @@ output whose run has not finished (no manifest.json), or that lacks some samples
 reported INCOMPLETE with the missing indices. Exit status: 0 complete and intact, 1 a damaged or
 missing file, 3 intact but incomplete.
 """
+
 from __future__ import annotations
 
 import json
@@ -117,10 +118,14 @@ def main_verify(args) -> int:
         print(f"{head}: {res['checked']} files checked against {res['source']}, {len(res['problems'])} problem(s)")
         if res["ok"] and not res["complete"]:
             if res["missing"]:
-                print(f"INCOMPLETE: {len(res['missing'])} of {res['expected']} samples have no file yet "
-                      f"(indices {_ranges(res['missing'])}); the run has not finished: run the same extract "
-                      "command again to complete it")
+                print(
+                    f"INCOMPLETE: {len(res['missing'])} of {res['expected']} samples have no file yet "
+                    f"(indices {_ranges(res['missing'])}); the run has not finished: run the same extract "
+                    "command again to complete it"
+                )
             else:
-                print("INCOMPLETE: every sample has its file, but the run has not finished (no manifest.json): "
-                      "run the same extract command again to finish it")
+                print(
+                    "INCOMPLETE: every sample has its file, but the run has not finished (no manifest.json): "
+                    "run the same extract command again to finish it"
+                )
     return 1 if not res["ok"] else 0 if res["complete"] else 3

@@ -2,6 +2,7 @@
 and the thread writer (``BackgroundWriter``). The process writer (procwriter.py) and the shard
 writer (shards.py) build on the same base.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,15 @@ class _ChecksumLog:
         self.written = 0
         self.bytes = 0  # of the files this run wrote
 
-    def add(self, index: int, digest: str | None, nbytes: int, tokens: int, file: str | None = None,
-            samples: int | None = None) -> None:
+    def add(
+        self,
+        index: int,
+        digest: str | None,
+        nbytes: int,
+        tokens: int,
+        file: str | None = None,
+        samples: int | None = None,
+    ) -> None:
         """``file``/``samples``: a shard's name and sample count (its ``index`` is its first sample)."""
         name = file or file_name(index, self.fmt)
         rec = {"index": index, "file": name, "bytes": nbytes, "tokens": tokens}
@@ -139,8 +147,9 @@ class BackgroundWriter(_Writer):
 
     def _write_one(self, item: tuple[int, dict]) -> None:
         index, sample = item
-        digest, nbytes = write_sample(self.out.root / file_name(index, self.out.fmt), sample, self.out.fmt,
-                                      self._sums.checksum)
+        digest, nbytes = write_sample(
+            self.out.root / file_name(index, self.out.fmt), sample, self.out.fmt, self._sums.checksum
+        )
         with self._lock:
             self._sums.add(index, digest, nbytes, int(sample["input_ids"].numel()))
 

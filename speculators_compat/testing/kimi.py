@@ -23,6 +23,7 @@ the dense first layer stay bf16. :func:`wrap` rewrites a DeepSeek-V3 checkpoint 
 The vision tower is a stand-in (random tensors under its prefix), so these checkpoints are for
 text-only extraction, which is all the generator does.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,17 +39,37 @@ EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_pro
 #: ``mlp.experts.E.gate_proj``)
 IGNORE = ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj.*"]
 
-VISION = dict(patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8, init_pos_emb_time=4,
-              pos_emb_type="divided_fixed", num_attention_heads=2, num_hidden_layers=1, hidden_size=64,
-              intermediate_size=128, merge_kernel_size=[2, 2], video_attn_type="spatial_temporal",
-              merge_type="sd2_tpool", mm_projector_type="patchmerger", projector_hidden_act="gelu",
-              projector_ln_eps=1e-5)
+VISION = dict(
+    patch_size=14,
+    init_pos_emb_height=8,
+    init_pos_emb_width=8,
+    init_pos_emb_time=4,
+    pos_emb_type="divided_fixed",
+    num_attention_heads=2,
+    num_hidden_layers=1,
+    hidden_size=64,
+    intermediate_size=128,
+    merge_kernel_size=[2, 2],
+    video_attn_type="spatial_temporal",
+    merge_type="sd2_tpool",
+    mm_projector_type="patchmerger",
+    projector_hidden_act="gelu",
+    projector_ln_eps=1e-5,
+)
 
 
 #: preprocessor_config.json: the hub checkpoint's media settings, its processor class as local code
-MEDIA = dict(patch_size=14, merge_kernel_size=[2, 2], in_patch_limit=16384, patch_limit_on_one_side=512,
-             fixed_output_tokens=None, in_patch_limit_each_frame=4096, temporal_merge_kernel_size=4,
-             image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+MEDIA = dict(
+    patch_size=14,
+    merge_kernel_size=[2, 2],
+    in_patch_limit=16384,
+    patch_limit_on_one_side=512,
+    fixed_output_tokens=None,
+    in_patch_limit_each_frame=4096,
+    temporal_merge_kernel_size=4,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+)
 PROCESSOR_MODULE = "kimi_k25_vision_processing"
 PROCESSOR_CODE = '''"""Stand-in for Kimi-K2.5's remote image processor (speculators-compat tiny checkpoint).
 
@@ -71,12 +92,28 @@ class TinyKimiK25VisionProcessor(BaseImageProcessor):
 def quantization_config(group: int) -> dict:
     """compressed-tensors config for symmetric INT4 weights with group scales on every Linear not ignored."""
     return {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"], "input_activations": None, "output_activations": None,
-            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                        "group_size": group, "dynamic": False, "actorder": None, "observer": "minmax"}}},
-        "ignore": list(IGNORE), "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": None,
+                "output_activations": None,
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": group,
+                    "dynamic": False,
+                    "actorder": None,
+                    "observer": "minmax",
+                },
+            }
+        },
+        "ignore": list(IGNORE),
+        "kv_cache_scheme": None,
     }
 
 
@@ -147,32 +184,44 @@ def wrap(text_dir, out_dir, *, int4_group: int | None = None, ref_dir=None) -> P
             out["language_model." + name] = t.contiguous()
             ref[name] = t
     gen = torch.Generator().manual_seed(7)
-    for name, shape in (("vision_tower.patch_embed.proj.weight", (64, 3, 14, 14)),
-                        ("vision_tower.patch_embed.proj.bias", (64,)),
-                        ("mm_projector.proj.0.weight", (256, 256)),
-                        ("mm_projector.proj.2.weight", (text_cfg["hidden_size"], 256))):
+    for name, shape in (
+        ("vision_tower.patch_embed.proj.weight", (64, 3, 14, 14)),
+        ("vision_tower.patch_embed.proj.bias", (64,)),
+        ("mm_projector.proj.0.weight", (256, 256)),
+        ("mm_projector.proj.2.weight", (text_cfg["hidden_size"], 256)),
+    ):
         out[name] = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
     save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     tc = {k: v for k, v in text_cfg.items() if k not in ("architectures", "auto_map", "transformers_version")}
     tc["model_type"] = "deepseek_v3"
     if int4_group:
         tc["quantization_config"] = quantization_config(int4_group)
-    cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-           "text_config": tc, "vision_config": dict(VISION), "tie_word_embeddings": False,
-           "pad_token_id": text_cfg.get("pad_token_id", 0), "torch_dtype": text_cfg.get("torch_dtype")}
+    cfg = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": tc,
+        "vision_config": dict(VISION),
+        "tie_word_embeddings": False,
+        "pad_token_id": text_cfg.get("pad_token_id", 0),
+        "torch_dtype": text_cfg.get("torch_dtype"),
+    }
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     for f in text_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy2(f, out_dir / f.name)
     (out_dir / f"{PROCESSOR_MODULE}.py").write_text(PROCESSOR_CODE)
-    pre = {"auto_map": {"AutoImageProcessor": f"{PROCESSOR_MODULE}.TinyKimiK25VisionProcessor"},
-           "image_processor_type": "TinyKimiK25VisionProcessor", "media_proc_cfg": dict(MEDIA)}
+    pre = {
+        "auto_map": {"AutoImageProcessor": f"{PROCESSOR_MODULE}.TinyKimiK25VisionProcessor"},
+        "image_processor_type": "TinyKimiK25VisionProcessor",
+        "media_proc_cfg": dict(MEDIA),
+    }
     (out_dir / "preprocessor_config.json").write_text(json.dumps(pre, indent=1) + "\n")
     if int4_group:
         ref_dir = Path(ref_dir)
         ref_dir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in ref.items()}, str(ref_dir / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in ref.items()}, str(ref_dir / "model.safetensors"), metadata={"format": "pt"}
+        )
         for f in text_dir.iterdir():
             if f.suffix != ".safetensors" and f.is_file() and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, ref_dir / f.name)

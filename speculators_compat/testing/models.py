@@ -4,6 +4,7 @@
 ``$SPECULATORS_COMPAT_CACHE/models`` (default ``~/.cache/speculators-compat/models``), built once
 and reused. Head size 32 (vLLM's CPU attention rejects 16).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,33 +20,89 @@ VOCAB = 1024
 CACHE = Path(os.path.expanduser(envs.get("SPECULATORS_COMPAT_CACHE")))
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-               rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-               pad_token_id=3, initializer_range=0.1)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+    initializer_range=0.1,
+)
 
 SPECS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, rope_theta=10000.0)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, rope_theta=10000.0)),
     # DeepSeek-V3 architecture (MLA + MoE), the one Kimi-K2 checkpoints declare.
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-        _COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-        # vLLM MLA needs kv_lora_rank + qk_rope_head_dim in {320, 512, 576} (Kimi-K2.5: 512 + 64)
-        q_lora_rank=64, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
-        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
-        norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", rope_theta=10000.0,
-        rope_scaling=None)),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            # vLLM MLA needs kv_lora_rank + qk_rope_head_dim in {320, 512, 576} (Kimi-K2.5: 512 + 64)
+            q_lora_rank=64,
+            kv_lora_rank=256,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=64,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            rope_theta=10000.0,
+            rope_scaling=None,
+        ),
+    ),
 }
 # A ~100M-parameter Llama for CPU benchmarks (8 layers, hidden 1024).
-SPECS["llama-100m"] = ("LlamaConfig", "LlamaForCausalLM", dict(
-    _COMMON, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-    num_key_value_heads=8, rope_theta=10000.0, initializer_range=0.02))
+SPECS["llama-100m"] = (
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    dict(
+        _COMMON,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        rope_theta=10000.0,
+        initializer_range=0.02,
+    ),
+)
 # A ~1.1B-parameter Llama-shaped model for the GPU run, saved in bf16 (16 layers, hidden 2048).
-SPECS["llama-1b"] = ("LlamaConfig", "LlamaForCausalLM", dict(
-    _COMMON, vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=10000.0,
-    initializer_range=0.02, torch_dtype="bfloat16"))
+SPECS["llama-1b"] = (
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    dict(
+        _COMMON,
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=10000.0,
+        initializer_range=0.02,
+        torch_dtype="bfloat16",
+    ),
+)
 
 
 #: checkpoints made from another tiny model: name -> (source model, what is done to it)
@@ -136,8 +193,9 @@ def save_tokenizer(d: Path) -> None:
     vocab.update({f"t{i}": i for i in range(len(SPECIAL), VOCAB)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>", pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
     fast.save_pretrained(d)
 
 

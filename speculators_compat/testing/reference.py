@@ -12,6 +12,7 @@ Tolerances (relative Frobenius error ||a - b|| / ||b|| per sequence and layer):
     the random tiny models (RUNTIME.md §4 and our runs). A wrong row is still ~1, 20x above.
   * float16: 2e-2.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ def compare(results, prompts, reference: HFReference, tol: float, layer_ids=None
                 bad.append(Mismatch(i, lid, float("inf"), float("inf"), tuple(got.shape)))
                 worst = float("inf")
                 continue
-            diff = (got - want)
+            diff = got - want
             rel = float(diff.norm() / want.norm().clamp_min(1e-12))
             worst = max(worst, rel)
             if not rel <= tol:

@@ -1,11 +1,11 @@
 """Real-engine tests: need vLLM (an environment from scripts/engine_env.py)."""
+
 import importlib.util
 
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed in this environment (use scripts/engine_env.py)",
-                allow_module_level=True)
+    pytest.skip("vLLM is not installed in this environment (use scripts/engine_env.py)", allow_module_level=True)
 
 from packaging.version import Version  # noqa: E402
 

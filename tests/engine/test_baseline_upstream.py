@@ -4,6 +4,7 @@ These are the "without the patch it breaks" halves of the generator patch's test
 when a vLLM release changes the failure. The only help upstream gets is a stand-in for its one
 CUDA-only call (``torch.cuda.mem_get_info``) on this GPU-less machine.
 """
+
 import sys
 
 import pytest
@@ -22,7 +23,7 @@ EXPECTED = [
     # cannot be imported: see expectation().
 ]
 
-SNIPPET = r'''
+SNIPPET = r"""
 import torch
 if not torch.cuda.is_available():
     torch.cuda.mem_get_info = lambda *a: (4 << 30, 8 << 30)  # stand-in for the CUDA-only call
@@ -56,7 +57,7 @@ for name, lengths in (("small", [5, 37, 120, 300, 17, 64, 8, 50, 99, 10, 11, 200
                     swapped.append([b.seq, j])
     out[name] = {"worst": worst, "bad_seqs": sorted({b.seq for b in bad}), "matches_other": swapped}
 emit(out)
-'''
+"""
 
 
 def expectation(version):

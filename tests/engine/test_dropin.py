@@ -3,6 +3,7 @@
 Stress settings: max_num_batched_tokens=128 (every long prompt is split by chunked prefill over
 many steps) and max_num_seqs=4 (batches of 13 and 40 span many steps, re-ordered by the runner).
 """
+
 import pytest
 from packaging.version import Version
 
@@ -17,8 +18,15 @@ LAYERS = [5, 0, 3]  # deliberately unsorted: results follow this order
 def gen(llama_path):
     # async "keep": leave vLLM's choice (the CPU platform forces it off); "disable" is the default
     # and covered by every other engine test.
-    g = VllmHiddenStatesGenerator(llama_path, layer_ids=LAYERS, max_model_len=2048, dtype="float32",
-                                  max_num_batched_tokens=128, max_num_seqs=4, async_scheduling="keep")
+    g = VllmHiddenStatesGenerator(
+        llama_path,
+        layer_ids=LAYERS,
+        max_model_len=2048,
+        dtype="float32",
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+        async_scheduling="keep",
+    )
     yield g
     g.close()
 
@@ -71,8 +79,7 @@ def test_results_survive_later_calls_and_own_their_storage(gen, llama_path, hf_r
     first = check(gen, llama_path, first_prompts, hf_ref)
     # smaller than the first batch, so it is written over the same arena bytes
     check(gen, llama_path, models.random_prompts([500, 30, 200], seed=22), hf_ref)
-    worst, bad = reference.compare([r["hidden_states"] for r in first], first_prompts,
-                                   hf_ref(llama_path, LAYERS), TOL)
+    worst, bad = reference.compare([r["hidden_states"] for r in first], first_prompts, hf_ref(llama_path, LAYERS), TOL)
     assert not bad, f"earlier results changed after a later call (worst {worst})"
     for r in first:
         for h in r["hidden_states"]:
@@ -90,8 +97,12 @@ def test_threaded_copy_out_matches_hf(gen, llama_path, hf_ref):
     gen.engine._reader.set_threads(3)
     gen.engine._reader.lend = False
     try:
-        res = check(gen, llama_path, models.random_prompts([700, 5, 130, 37, 1500, 17, 64, 8, 256, 50, 99, 10, 11],
-                                                           seed=77), hf_ref)
+        res = check(
+            gen,
+            llama_path,
+            models.random_prompts([700, 5, 130, 37, 1500, 17, 64, 8, 256, 50, 99, 10, 11], seed=77),
+            hf_ref,
+        )
         assert gen.engine._reader._pool is not None
         for r in res:
             for h in r["hidden_states"]:
@@ -113,8 +124,9 @@ def test_prompts_split_over_steps_come_back_as_one_lent_block(gen, llama_path, h
     steps = gen.engine.stats()["steps"]
     res = check(gen, llama_path, prompts, hf_ref)  # HF-exact, in input order
     described = [[reader.describe(h) for h in r["hidden_states"]] for r in res]
-    assert all(d is not None for layers in described for d in layers), \
-        [i for i, layers in enumerate(described) if None in layers]
+    assert all(d is not None for layers in described for d in layers), [
+        i for i, layers in enumerate(described) if None in layers
+    ]
     assert gen.engine.stats()["steps"] - steps >= 40  # (5,300+ tokens at 128 a step)
 
 
@@ -123,8 +135,9 @@ def test_copy_hand_off_matches_hf(gen, llama_path, hf_ref):
     lent. Switched on the running engine (an engine of its own would cost a start)."""
     gen.engine._reader.lend = False
     try:
-        res = check(gen, llama_path, models.random_prompts([20, 31, 9, 700, 25, 17, 30, 12, 28, 5, 22], seed=88),
-                    hf_ref)
+        res = check(
+            gen, llama_path, models.random_prompts([20, 31, 9, 700, 25, 17, 30, 12, 28, 5, 22], seed=88), hf_ref
+        )
         assert gen.engine._reader.busy() == []
         del res
     finally:
@@ -177,8 +190,11 @@ def test_bad_inputs_leave_the_engine_usable(gen, llama_path, hf_ref):
         gen.engine.run(models.random_prompts([2048], seed=1))  # the engine's own guard
     # ids the embedding table lacks (a batch tokenized for another model): named, never sent
     assert gen.engine.vocab_size == models.VOCAB
-    with pytest.raises(ValueError, match=f"sequence 2 holds token id {models.VOCAB}, outside the model's "
-                                         f"vocabulary of {models.VOCAB} ids \\[0, {models.VOCAB - 1}\\]"):
+    with pytest.raises(
+        ValueError,
+        match=f"sequence 2 holds token id {models.VOCAB}, outside the model's "
+        f"vocabulary of {models.VOCAB} ids \\[0, {models.VOCAB - 1}\\]",
+    ):
         gen.generate([[5, 6], [models.VOCAB - 1], [7, models.VOCAB, 8]])
     with pytest.raises(ValueError, match="sequence 0 holds token id 50000"):
         gen.engine.run([[5, 50000]])  # the engine's own guard (the patched upstream class's path)
@@ -191,8 +207,9 @@ def test_version_floor(vllm_version):
     assert vllm_version >= Version("0.11")
 
 
-def test_announcing_ahead_gives_the_same_states_and_surfaces_its_failure(gen, llama_path, hf_ref, vllm_version,
-                                                                         monkeypatch):
+def test_announcing_ahead_gives_the_same_states_and_surfaces_its_failure(
+    gen, llama_path, hf_ref, vllm_version, monkeypatch
+):
     """Announcing ahead (the default from vLLM 0.12) sends each batch's announcement without
     waiting for the reply. The states must match HF and be bit-identical to waiting (13 prompts,
     chunked and reordered), and a worker that fails to take the announcement must fail that call

@@ -5,6 +5,7 @@ Kept apart from test_dropin.py, whose module-wide engine would otherwise sit idl
 these: an idle vLLM worker polls its queue and takes most of a core, which on the 2-core CI machine
 slows the engine under test (and breaks the rule of one engine at a time).
 """
+
 import json
 import os
 from pathlib import Path
@@ -34,8 +35,9 @@ def test_lent_results_are_never_overwritten_and_memory_stays_flat(llama_path, hf
 
     # 12 prompts, at most 4 a step within 128 tokens: every prompt is prefilled in one step (lent)
     lengths = [20, 31, 9, 25, 17, 30, 12, 28, 5, 22, 19, 26]
-    g = VllmHiddenStatesGenerator(llama_path, layer_ids=LAYERS, max_model_len=512, dtype="float32",
-                                  max_num_batched_tokens=128, max_num_seqs=4)
+    g = VllmHiddenStatesGenerator(
+        llama_path, layer_ids=LAYERS, max_model_len=512, dtype="float32", max_num_batched_tokens=128, max_num_seqs=4
+    )
     try:
         reader = g.engine._reader
         assert reader.lend
@@ -93,8 +95,9 @@ def test_rpc_handoff_matches_hf(llama_path, hf_ref, monkeypatch):
     import glob
 
     monkeypatch.setenv("SPECULATORS_COMPAT_HANDOFF", "rpc")
-    with VllmHiddenStatesGenerator(llama_path, layer_ids=LAYERS, max_model_len=2048, dtype="float32",
-                                   max_num_batched_tokens=128, max_num_seqs=4) as g:
+    with VllmHiddenStatesGenerator(
+        llama_path, layer_ids=LAYERS, max_model_len=2048, dtype="float32", max_num_batched_tokens=128, max_num_seqs=4
+    ) as g:
         assert g.engine._handoff_prefix is None
         check(g, llama_path, models.random_prompts([300, 12, 129, 40, 7], seed=31), hf_ref)
         check(g, llama_path, models.random_prompts([90, 5], seed=32), hf_ref)
@@ -129,11 +132,13 @@ def test_bad_constructor_arguments(llama_path, tmp_path):
         VllmHiddenStatesGenerator(None)
     # sizes vLLM took silently (0: as if unset, on 0.32) or failed on only at generate() ("prompt 0 is
     # empty" after the engine had started): refused before the engine starts
-    for kw, text in [(dict(max_model_len=1), "max_model_len must be an integer >= 2"),
-                     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
-                     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1"),
-                     (dict(max_num_seqs=2.5), "max_num_seqs must be an integer"),
-                     (dict(tensor_parallel_size=True), "tensor_parallel_size must be a positive integer")]:
+    for kw, text in [
+        (dict(max_model_len=1), "max_model_len must be an integer >= 2"),
+        (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1"),
+        (dict(max_num_seqs=2.5), "max_num_seqs must be an integer"),
+        (dict(tensor_parallel_size=True), "tensor_parallel_size must be a positive integer"),
+    ]:
         with pytest.raises(ValueError, match=text):
             VllmHiddenStatesGenerator(llama_path, **kw)
     with pytest.raises(ValueError, match="tensor_parallel_size=64"):
@@ -143,22 +148,25 @@ def test_bad_constructor_arguments(llama_path, tmp_path):
         VllmHiddenStatesGenerator(str(tmp_path))
     unknown = tmp_path / "unknown"
     unknown.mkdir()
-    (unknown / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch",
-                                                     "num_hidden_layers": 4}))
+    (unknown / "config.json").write_text(
+        json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch", "num_hidden_layers": 4})
+    )
     with pytest.raises(Exception, match="NoSuchForCausalLM|nosuch"):  # vLLM's own error names it
         VllmHiddenStatesGenerator(str(unknown), layer_ids=[1])
 
 
 def test_qwen2(qwen2_path, hf_ref):
-    with VllmHiddenStatesGenerator(qwen2_path, layer_ids=[0, 2, 5], max_model_len=1024, dtype="float32",
-                                   max_num_batched_tokens=256) as g:
+    with VllmHiddenStatesGenerator(
+        qwen2_path, layer_ids=[0, 2, 5], max_model_len=1024, dtype="float32", max_num_batched_tokens=256
+    ) as g:
         check(g, qwen2_path, models.random_prompts([5, 400, 37, 700, 12], seed=21), hf_ref, layers=[0, 2, 5])
 
 
 DEEPSEEK_CPU_NOTE = (
     "vLLM's CPU backend: 'MLA is not supported on CPU' before 0.2x; where it runs (0.32) its MLA "
     "attention disagrees with HF DeepseekV3 beyond position 0 in every layer, dense layer 0 "
-    "included (rel. 0.2-0.8, not a capture error: position-0 rows match exactly)")
+    "included (rel. 0.2-0.8, not a capture error: position-0 rows match exactly)"
+)
 
 
 def check_position_zero(res, prompts, ref):
@@ -179,8 +187,10 @@ def test_deepseek_v3_mla_moe(vllm_version, hf_ref, capfd):
     proves the decoder stack was found and rows were attributed to the right request."""
     if vllm_version < Version("0.28") and not os.environ.get("SPECULATORS_COMPAT_TRY_MLA"):
         # not started in CI (an engine start is ~25 s a version); scripts/sweep.py sets the variable
-        pytest.skip(f"vLLM {vllm_version}: its CPU backend says 'MLA is not supported on CPU' up to 0.27 "
-                    "(measured on every release, docs/compatibility.md); the H200 runs it (docs/gpu-results.md)")
+        pytest.skip(
+            f"vLLM {vllm_version}: its CPU backend says 'MLA is not supported on CPU' up to 0.27 "
+            "(measured on every release, docs/compatibility.md); the H200 runs it (docs/gpu-results.md)"
+        )
     path = str(models.build("deepseek_v3"))
     try:
         g = VllmHiddenStatesGenerator(path, layer_ids=[0, 1, 3], max_model_len=1024, dtype="float32")
@@ -191,8 +201,10 @@ def test_deepseek_v3_mla_moe(vllm_version, hf_ref, capfd):
         if "MLA is not supported on CPU" in logs:
             pytest.skip(f"vLLM {vllm_version}: its CPU backend says 'MLA is not supported on CPU'")
         if "MLAPrefillBackend" in logs and "ImportError" in logs:  # seen on 0.28.0's CPU build
-            pytest.skip(f"vLLM {vllm_version}: its CPU build picks a FlashAttention MLA prefill backend "
-                        "it cannot import (ImportError in the worker)")
+            pytest.skip(
+                f"vLLM {vllm_version}: its CPU build picks a FlashAttention MLA prefill backend "
+                "it cannot import (ImportError in the worker)"
+            )
         raise
     experts = json.loads((Path(path) / "config.json").read_text())["n_routed_experts"]
     assert g.engine.model_info.get("moe_local_experts") == experts  # plain TP=1: every expert here
@@ -215,16 +227,28 @@ def test_kimi_k25_wrapper_text_only(vllm_version, hf_ref):
     the real ViT). Position 0 attends only to itself, so its rows are exact whatever the CPU MLA
     kernel does (see DEEPSEEK_CPU_NOTE)."""
     if vllm_version < Version("0.29"):
-        pytest.skip(f"vLLM {vllm_version}: its CPU backend runs no MLA before 0.29 (docs/compatibility.md); "
-                    "the wrapper ran on the H200 (docs/gpu-results.md section 19)")
+        pytest.skip(
+            f"vLLM {vllm_version}: its CPU backend runs no MLA before 0.29 (docs/compatibility.md); "
+            "the wrapper ran on the H200 (docs/gpu-results.md section 19)"
+        )
     path = str(models.build("kimi_k25"))
     layers = [3, 0, 1]
     prompts = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200], seed=32)
-    with VllmHiddenStatesGenerator(path, layer_ids=layers, max_model_len=1024, dtype="float32",
-                                   trust_remote_code=True, max_num_batched_tokens=128, max_num_seqs=4) as g:
+    with VllmHiddenStatesGenerator(
+        path,
+        layer_ids=layers,
+        max_model_len=1024,
+        dtype="float32",
+        trust_remote_code=True,
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+    ) as g:
         info = g.engine.model_info
         assert (info["model"], info["base_model"], info["num_layers"]) == (
-            "KimiK25ForConditionalGeneration", "DeepseekV2Model", 4)
+            "KimiK25ForConditionalGeneration",
+            "DeepseekV2Model",
+            4,
+        )
         assert info["moe_local_experts"] == 8
         res = g.generate(prompts)
     ref = hf_ref(str(models.reference_path("kimi_k25")), layers)
@@ -239,17 +263,30 @@ def test_tensor_parallel_2(llama_path, hf_ref, monkeypatch):
     """TP=2 on two CPU workers (one core each), tiny Llama: every row of every layer against HF.
     (test_deepseek_v3_tensor_parallel_2 runs the MLA+MoE model at TP=2 where CPU vLLM runs MLA.)"""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    with VllmHiddenStatesGenerator(llama_path, layer_ids=[1, 3, 5], max_model_len=1024, dtype="float32",
-                                   tensor_parallel_size=2, max_num_batched_tokens=256) as g:
-        check(g, llama_path, models.random_prompts([5, 400, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3], seed=41),
-              hf_ref, layers=[1, 3, 5])
+    with VllmHiddenStatesGenerator(
+        llama_path,
+        layer_ids=[1, 3, 5],
+        max_model_len=1024,
+        dtype="float32",
+        tensor_parallel_size=2,
+        max_num_batched_tokens=256,
+    ) as g:
+        check(
+            g,
+            llama_path,
+            models.random_prompts([5, 400, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3], seed=41),
+            hf_ref,
+            layers=[1, 3, 5],
+        )
         # Token ids the embedding table lacks. Unchecked (ids_checked=True skips our check), each TP
         # rank masks the ids outside its shard, so an id outside every shard embeds as zeros: two
         # different such ids give the same rows, and no error (measured on 0.32). Checked, refused.
         good = models.random_prompts([10], seed=42)[0]
         try:
-            a, b = (g.engine.run([good[:5] + [bad] + good[5:]], ids_checked=True)[0][0]
-                    for bad in (models.VOCAB, models.VOCAB + 100))
+            a, b = (
+                g.engine.run([good[:5] + [bad] + good[5:]], ids_checked=True)[0][0]
+                for bad in (models.VOCAB, models.VOCAB + 100)
+            )
             assert torch.equal(a, b), "two out-of-vocabulary ids gave different rows"
         except RuntimeError:
             pass  # a vLLM that raises for them is not silent either
@@ -267,22 +304,31 @@ def test_deepseek_v3_tensor_parallel_2(vllm_version, hf_ref, monkeypatch):
     partial sum, fails it. (Expert parallelism is not run: vLLM 0.32's CPU fused-MoE kernel
     segfaulted with it, measured once, and the generator reported the dead worker.)"""
     if vllm_version < Version("0.29"):
-        pytest.skip(f"vLLM {vllm_version}: its CPU backend runs no MLA before 0.29 (docs/compatibility.md); "
-                    "TP=2 with this architecture ran on two H200s (docs/gpu-results.md section 5)")
+        pytest.skip(
+            f"vLLM {vllm_version}: its CPU backend runs no MLA before 0.29 (docs/compatibility.md); "
+            "TP=2 with this architecture ran on two H200s (docs/gpu-results.md section 5)"
+        )
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     path = str(models.build("deepseek_v3"))
     layers = [0, 1, 3]
     experts = json.loads((Path(path) / "config.json").read_text())["n_routed_experts"]
     prompts = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200], seed=33)
-    with VllmHiddenStatesGenerator(path, layer_ids=layers, max_model_len=1024, dtype="float32",
-                                   tensor_parallel_size=2, max_num_batched_tokens=128, max_num_seqs=4) as g:
+    with VllmHiddenStatesGenerator(
+        path,
+        layer_ids=layers,
+        max_model_len=1024,
+        dtype="float32",
+        tensor_parallel_size=2,
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+    ) as g:
         assert g.engine.model_info["moe_local_experts"] == experts  # TP without EP: a slice of each
         res = g.generate(prompts)
     ref = hf_ref(path, layers)
     check_position_zero(res, prompts, ref)
 
 
-FORK_SNIPPET = r'''
+FORK_SNIPPET = r"""
 from speculators_compat.engine.config import EngineOptions
 from speculators_compat.engine.core import ExtractionEngine
 from speculators_compat.testing import models, reference
@@ -294,7 +340,7 @@ with ExtractionEngine(opts, [1, 3]) as eng:  # forked before this process ran an
     states = eng.run(prompts)
 worst, bad = reference.compare(states, prompts, reference.HFReference(path, [1, 3]), 1e-3)
 emit({"worst": worst, "bad": len(bad)})
-'''
+"""
 
 
 def test_fork_started_workers():
@@ -321,6 +367,9 @@ def test_a_damaged_checkpoint_is_named_before_the_engine_starts(llama_path, tmp_
         VllmHiddenStatesGenerator(str(model / "model.safetensors"))
     data = (model / "model.safetensors").read_bytes()
     (model / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"model.safetensors: [0-9,]+ bytes, but its header describes [0-9,]+ "
-                                              r"\(truncated"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.safetensors: [0-9,]+ bytes, but its header describes [0-9,]+ "
+        r"\(truncated",
+    ):
         VllmHiddenStatesGenerator(str(model), layer_ids=[1, 3, 5])

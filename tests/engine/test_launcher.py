@@ -6,6 +6,7 @@ speculators_compat, runpy; runpy.run_path(...)"``) patches the driver only: each
 re-imports the script as its ``__mp_main__`` and reaches ``import speculators`` before vLLM loads
 our plugin, which under transformers 5 fails (``NameError: name 'torch' is not defined``).
 """
+
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ from speculators_compat.testing import models, reference
 
 pytestmark = pytest.mark.ends  # (the launcher is no version-specific capture: oldest and newest cells)
 
-SCRIPT = '''
+SCRIPT = """
 from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 import json
 import sys
@@ -36,7 +37,7 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 ENV = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
 
@@ -53,9 +54,24 @@ def test_an_unchanged_script_through_the_launcher_matches_hf(script, llama_path,
     import torch
 
     d, prompts = script
-    r = subprocess.run([sys.executable, "-m", "speculators_compat.cli", "run", sys.executable, str(d / "extract_script.py"),
-                        llama_path, str(d / "prompts.json"), str(d / "states.pt")],
-                       capture_output=True, text=True, env=ENV, cwd=d, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "speculators_compat.cli",
+            "run",
+            sys.executable,
+            str(d / "extract_script.py"),
+            llama_path,
+            str(d / "prompts.json"),
+            str(d / "states.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=d,
+        timeout=900,
+    )
     assert r.returncode == 0 and "done 12" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
     states = torch.load(d / "states.pt", weights_only=True)
     # dtype "auto": bf16 on CPU for these float32 checkpoints (upstream's setting)
@@ -70,9 +86,15 @@ def test_without_the_launcher_the_workers_are_not_patched(script, llama_path):
     if int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip(f"transformers {transformers.__version__}: importing speculators needs no patch")
     d, _ = script
-    code = "import speculators_compat, runpy; runpy.run_path(%r, run_name='__main__')" % str(d / "extract_script.py")
-    r = subprocess.run([sys.executable, "-c", code, llama_path, str(d / "prompts.json"), str(d / "states.pt")],
-                       capture_output=True, text=True, env=dict(ENV, PYTHONPATH=str(Path.cwd())), cwd=d,
-                       timeout=900)
-    assert r.returncode != 0 and "name 'torch' is not defined" in r.stdout + r.stderr, \
+    code = f"import speculators_compat, runpy; runpy.run_path({str(d / 'extract_script.py')!r}, run_name='__main__')"
+    r = subprocess.run(
+        [sys.executable, "-c", code, llama_path, str(d / "prompts.json"), str(d / "states.pt")],
+        capture_output=True,
+        text=True,
+        env=dict(ENV, PYTHONPATH=str(Path.cwd())),
+        cwd=d,
+        timeout=900,
+    )
+    assert r.returncode != 0 and "name 'torch' is not defined" in r.stdout + r.stderr, (
         r.stdout[-2000:] + r.stderr[-3000:]
+    )

@@ -2,6 +2,7 @@
 patch then import, import then patch, a second patch changes nothing, unpatch restores the very
 objects that were there, and a repatch applies again. (What each patch fixes is tested in
 test_patches_engine.py and the baseline tests; this is the life cycle.)"""
+
 import importlib
 import json
 import subprocess
@@ -92,10 +93,12 @@ def test_import_then_patch_applies_what_patch_then_import_does():
     target that imports unpatched (under transformers 5, speculators does not: that is what the
     transformers patches are for, and why they must come first)."""
     targets = sorted({p.module for p in all_patches()})
-    code = (f"import importlib, json\nok = []\nfor m in {targets!r}:\n"
-            "    try:\n        importlib.import_module(m)\n        ok.append(m)\n    except Exception:\n        pass\n"
-            "import speculators_compat\nfrom speculators_compat.patches import all_patches\n"
-            "print(json.dumps({p.name: p.is_applied() for p in all_patches() if p.module in ok}))")
+    code = (
+        f"import importlib, json\nok = []\nfor m in {targets!r}:\n"
+        "    try:\n        importlib.import_module(m)\n        ok.append(m)\n    except Exception:\n        pass\n"
+        "import speculators_compat\nfrom speculators_compat.patches import all_patches\n"
+        "print(json.dumps({p.name: p.is_applied() for p in all_patches() if p.module in ok}))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     late = json.loads(r.stdout.strip().splitlines()[-1])

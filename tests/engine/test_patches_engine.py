@@ -1,4 +1,5 @@
 """Each patch, on the real engine: fails without it, works with it, on the versions it applies to."""
+
 import pytest
 from packaging.version import Version
 
@@ -18,8 +19,13 @@ def test_request_patch_eos(vllm_version):
     from vllm.v1.request import Request
 
     def make():
-        return Request(request_id="r", prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=1),
-                       pooling_params=None, eos_token_id=2)
+        return Request(
+            request_id="r",
+            prompt_token_ids=[5, 6, 7],
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            eos_token_id=2,
+        )
 
     if vllm_version < Version("0.17"):
         assert make().eos_token_id == 2  # native parameter: nothing to fix
@@ -36,7 +42,7 @@ def test_request_patch_eos(vllm_version):
 
 
 # ---------------------------------------------------------------- vllm_request (block hasher, 0.12+)
-BLOCK_HASHER_SNIPPET = r'''
+BLOCK_HASHER_SNIPPET = r"""
 import speculators_compat
 from speculators_compat.testing import models
 from vllm.engine.arg_utils import EngineArgs
@@ -80,7 +86,7 @@ out["unpatched_has_hasher"] = bool(hand_built("probe2").block_hashes)
 out["unpatched"] = drive("without-patch")
 emit(out)
 core.shutdown()
-'''
+"""
 
 
 def test_request_patch_block_hasher(vllm_version):
@@ -101,7 +107,7 @@ def test_request_patch_block_hasher(vllm_version):
 
 
 # ---------------------------------------------------------------- speculators_worker_extension
-WORKER_SNIPPET = r'''
+WORKER_SNIPPET = r"""
 import os
 import speculators_compat
 from speculators_compat.engine.requests import build_request
@@ -134,7 +140,7 @@ split = [[t[:100], t[100:]] for t in states]
 worst, bad = reference.compare([[split[0][i], split[1][i]] for i in range(2)], prompts, ref, 1e-3)
 emit({"rows": [t.shape[0] for t in states], "worst": worst, "bad": len(bad)})
 core.shutdown()
-'''
+"""
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork"])
@@ -156,8 +162,11 @@ def test_upstream_worker_extension_fails_without_the_plugin(vllm_version):
     # 0.12-0.23: 'LlamaModel' object has no attribute 'get_input_embeddings';
     # 0.24+ (transformers 5): the worker cannot even import speculators
     assert "error" in result, result
-    assert ("get_input_embeddings" in result["error"] or "torch' is not defined" in result["error"]
-            or "Worker" in result["error"]), result
+    assert (
+        "get_input_embeddings" in result["error"]
+        or "torch' is not defined" in result["error"]
+        or "Worker" in result["error"]
+    ), result
 
 
 # ---------------------------------------------------------------- transformers_config_torch
@@ -166,7 +175,7 @@ def test_speculators_imports_under_transformers_5():
 
     if Version(transformers.__version__).major < 5:
         pytest.skip("transformers 4.x: speculators imports natively")
-    snippet = r'''
+    snippet = r"""
 out = {}
 try:
     import speculators.data_generation.vllm_hidden_states_generator  # noqa
@@ -174,18 +183,20 @@ try:
 except Exception as e:
     out["import"] = f"{type(e).__name__}: {e}"
 emit(out)
-'''
+"""
     without, log = run_snippet("import speculators_compat\n" + snippet, env={"SPECULATORS_COMPAT_DISABLE": "1"})
     assert without is not None, log
     # transformers 5.17-5.19: pydantic forward ref; 5.2x: the removed modeling_attn_mask_utils
-    assert ("name 'torch' is not defined" in without["import"]
-            or "transformers.modeling_attn_mask_utils" in without["import"]), without
+    assert (
+        "name 'torch' is not defined" in without["import"]
+        or "transformers.modeling_attn_mask_utils" in without["import"]
+    ), without
     with_, log = run_snippet("import speculators_compat\n" + snippet)
     assert with_ == {"import": "ok"}, log
 
 
 # ---------------------------------------------------------------- vllm_kv_cache_names (0.33+)
-KV_NAMES_SNIPPET = r'''
+KV_NAMES_SNIPPET = r"""
 import speculators_compat
 import vllm.v1.core.kv_cache_utils as kvu  # the patch's trigger module
 from speculators_compat import patches, registry
@@ -201,7 +212,7 @@ try:
 except Exception as e:
     out["import"] = f"{type(e).__name__}: {e}"
 emit(out)
-'''
+"""
 
 
 def test_kv_cache_names_patch():

@@ -1,5 +1,6 @@
 """``speculators-compat extract`` end to end on the real engine: speculators' layout, HF-exact
 states, resume to a byte-identical dataset, and a killed worker."""
+
 import io
 import json
 import os
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from speculators_compat.pipeline.extract import run_extract
 from speculators_compat.errors import OutputError
+from speculators_compat.pipeline.extract import run_extract
 from speculators_compat.testing import models, reference
 
 LAYERS = [1, 3, 5]
@@ -29,14 +30,22 @@ def make_jsonl(path: Path, lengths=LENGTHS, seed=0) -> list[dict]:
 def gen(llama_path):
     from speculators_compat import VllmHiddenStatesGenerator
 
-    g = VllmHiddenStatesGenerator(llama_path, layer_ids=LAYERS, max_model_len=2048, dtype="float32",
-                                  max_num_batched_tokens=512, on_overlength="error")
+    g = VllmHiddenStatesGenerator(
+        llama_path,
+        layer_ids=LAYERS,
+        max_model_len=2048,
+        dtype="float32",
+        max_num_batched_tokens=512,
+        on_overlength="error",
+    )
     yield g
     g.close()
 
 
 def read_dir(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name.startswith("data_") or p.name == "manifest.json"}
+    return {
+        p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name.startswith("data_") or p.name == "manifest.json"
+    }
 
 
 def test_layout_states_and_speculators_loader(gen, llama_path, hf_ref, tmp_path):
@@ -81,8 +90,9 @@ def test_resume_is_byte_identical(gen, llama_path, tmp_path, monkeypatch):
     run_extract(llama_path, str(tmp_path / "in.jsonl"), str(full), batch_size=4, generator=gen, progress=False)
     # an interrupted run: the first 6 samples (batch 2 half done), then a crash leftover
     monkeypatch.setenv("SPECULATORS_COMPAT_PT_WRITER", "torch")
-    run_extract(llama_path, str(tmp_path / "in.jsonl"), str(part), batch_size=4, generator=gen, progress=False,
-                max_samples=6)
+    run_extract(
+        llama_path, str(tmp_path / "in.jsonl"), str(part), batch_size=4, generator=gen, progress=False, max_samples=6
+    )
     monkeypatch.setenv("SPECULATORS_COMPAT_PT_WRITER", "direct")
     (part / "data_5.pt").unlink()
     (part / ".data_5.pt.partial").write_bytes(b"torn")
@@ -99,8 +109,9 @@ def test_resume_with_a_lower_batch_size_completes_the_run(gen, llama_path, hf_re
 
     rows = make_jsonl(tmp_path / "in.jsonl", seed=5)
     out = tmp_path / "out"
-    run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=8, generator=gen, progress=False,
-                max_samples=8)
+    run_extract(
+        llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=8, generator=gen, progress=False, max_samples=8
+    )
     s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=2, generator=gen, progress=False)
     assert s["already_done"] == 8 and s["new_files"] == len(rows) - 8 and s["batch_size"] == 2
     ref = hf_ref(llama_path, LAYERS)
@@ -164,8 +175,15 @@ def test_pipeline_makes_its_arena_slabs_at_the_first_batch(gen, llama_path, tmp_
                 after_first.append(gen.engine.stats())
             return out
 
-    s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "out"), batch_size=4, queue_size=4,
-                    generator=Watch(), progress=False)
+    s = run_extract(
+        llama_path,
+        str(tmp_path / "in.jsonl"),
+        str(tmp_path / "out"),
+        batch_size=4,
+        queue_size=4,
+        generator=Watch(),
+        progress=False,
+    )
     assert s["files"] == 24
     # 6 = queue_size + 2: more than any earlier test here leaves in the arena (queue_size 2: 4)
     assert after_first[0]["arena_want"] == 6 and after_first[0]["arena_slabs"] >= 6
@@ -178,8 +196,14 @@ def test_safetensors_output(gen, llama_path, tmp_path):
     from safetensors.torch import load_file
 
     rows = make_jsonl(tmp_path / "in.jsonl", lengths=[12, 40, 7])
-    s = run_extract(Path(llama_path), tmp_path / "in.jsonl", tmp_path / "st",  # (paths as Path objects too)
-                    generator=gen, progress=False, fmt="safetensors")
+    s = run_extract(
+        Path(llama_path),
+        tmp_path / "in.jsonl",
+        tmp_path / "st",  # (paths as Path objects too)
+        generator=gen,
+        progress=False,
+        fmt="safetensors",
+    )
     assert s["files"] == 3
     d = load_file(str(tmp_path / "st" / "data_1.safetensors"))
     assert d["input_ids"].tolist() == rows[1]["input_ids"]
@@ -209,8 +233,9 @@ def test_sharded_safetensors_match_the_per_sample_files_and_resume(gen, llama_pa
         d = torch.load(tmp_path / "pt" / f"data_{i}.pt", weights_only=True)
         assert torch.equal(got[i]["input_ids"], d["input_ids"]) and torch.equal(got[i]["loss_mask"], d["loss_mask"])
         assert all(torch.equal(a, b) for a, b in zip(got[i]["hidden_states"], d["hidden_states"], strict=True))
-        worst, bad = reference.compare([got[i]["hidden_states"]], [row["input_ids"][:2047]], ref,
-                                       reference.TOLERANCE["float32"])
+        worst, bad = reference.compare(
+            [got[i]["hidden_states"]], [row["input_ids"][:2047]], ref, reference.TOLERANCE["float32"]
+        )
         assert not bad, (i, worst)
     assert verify_output(tmp_path / "sh")["ok"]
     part = tmp_path / "part"
@@ -229,26 +254,42 @@ def test_bad_pipeline_inputs(gen, llama_path, tmp_path):
 
     (tmp_path / "bad.jsonl").write_text('{"input_ids": [1, 2]}\n{"input_ids": [1, \n')
     with pytest.raises(DatasetError, match="bad.jsonl:2: malformed JSON"):
-        run_extract(llama_path, str(tmp_path / "bad.jsonl"), str(tmp_path / "o1"), generator=gen, progress=False,
-                    batch_size=1)
+        run_extract(
+            llama_path, str(tmp_path / "bad.jsonl"), str(tmp_path / "o1"), generator=gen, progress=False, batch_size=1
+        )
     # the whole input is checked before the first batch is computed (it was found only when the
     # reader got to line 2, after sample 0 was computed and written)
     assert not list((tmp_path / "o1").glob("data_*"))
     make_jsonl(tmp_path / "in.jsonl")
     with pytest.raises(DatasetError, match="sample 12 has 2100 tokens"):
-        run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "o2"), generator=gen, progress=False,
-                    on_overlength="error")
-    s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "o3"), generator=gen, progress=False,
-                    on_overlength="skip")
+        run_extract(
+            llama_path,
+            str(tmp_path / "in.jsonl"),
+            str(tmp_path / "o2"),
+            generator=gen,
+            progress=False,
+            on_overlength="error",
+        )
+    s = run_extract(
+        llama_path,
+        str(tmp_path / "in.jsonl"),
+        str(tmp_path / "o3"),
+        generator=gen,
+        progress=False,
+        on_overlength="skip",
+    )
     assert s["skipped_overlength"] == 1 and not (tmp_path / "o3" / "data_12.pt").exists()
     # a token id outside the vocabulary: the sample (not its place in the batch) is named, and the
     # batches written before it are kept
     rows = [{"input_ids": [1, 2, 3]}] * 5 + [{"input_ids": [4, models.VOCAB + 9]}]
     (tmp_path / "vocab.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DatasetError, match=f"sample 5 holds token id {models.VOCAB + 9}, outside the "
-                                           f"model's vocabulary of {models.VOCAB} ids"):
-        run_extract(llama_path, str(tmp_path / "vocab.jsonl"), str(tmp_path / "o4"), generator=gen,
-                    progress=False, batch_size=4)
+    with pytest.raises(
+        DatasetError,
+        match=f"sample 5 holds token id {models.VOCAB + 9}, outside the model's vocabulary of {models.VOCAB} ids",
+    ):
+        run_extract(
+            llama_path, str(tmp_path / "vocab.jsonl"), str(tmp_path / "o4"), generator=gen, progress=False, batch_size=4
+        )
     assert sorted(p.name for p in (tmp_path / "o4").glob("data_*.pt")) == [f"data_{i}.pt" for i in range(4)]
 
 
@@ -283,8 +324,6 @@ def test_a_run_bound_by_its_disk_says_so(gen, llama_path, tmp_path, monkeypatch,
     assert read_dir(tmp_path / "slow") == read_dir(tmp_path / "fast")  # slow, but the same data
 
 
-
-
 def _flip_a_bit(p: Path, keep_mtime: bool = False) -> None:
     st = p.stat()
     b = bytearray(p.read_bytes())
@@ -304,12 +343,16 @@ def test_a_resume_over_a_changed_input_is_refused(gen, llama_path, tmp_path):
     make_jsonl(tmp_path / "in.jsonl", seed=1)
     shutil.copy(tmp_path / "in.jsonl", tmp_path / "same.jsonl")
     out = tmp_path / "out"
-    run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=4, generator=gen, progress=False,
-                max_samples=6)
+    run_extract(
+        llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=4, generator=gen, progress=False, max_samples=6
+    )
     before = read_dir(out)
     make_jsonl(tmp_path / "in.jsonl", seed=2)
-    with pytest.raises(OutputError, match=r"holds a different run \(input .*in.jsonl: the input's (contents|size) "
-                                          r"changed .*resuming would mix states of two runs"):
+    with pytest.raises(
+        OutputError,
+        match=r"holds a different run \(input .*in.jsonl: the input's (contents|size) "
+        r"changed .*resuming would mix states of two runs",
+    ):
         run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=4, generator=gen, progress=False)
     assert read_dir(out) == before
     s = run_extract(llama_path, str(tmp_path / "same.jsonl"), str(out), batch_size=4, generator=gen, progress=False)
@@ -327,8 +370,9 @@ def test_a_resume_over_changed_weights_is_refused(gen, llama_path, tmp_path):
     shutil.copytree(llama_path, model)
     make_jsonl(tmp_path / "in.jsonl", seed=1)
     out = tmp_path / "out"
-    run_extract(str(model), str(tmp_path / "in.jsonl"), str(out), batch_size=4, generator=gen, progress=False,
-                max_samples=4)
+    run_extract(
+        str(model), str(tmp_path / "in.jsonl"), str(out), batch_size=4, generator=gen, progress=False, max_samples=4
+    )
     w = load_file(str(model / "model.safetensors"))
     name = sorted(w)[0]
     w[name] = w[name] * 1.01
@@ -355,16 +399,18 @@ def test_a_damaged_file_is_computed_again(gen, llama_path, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="speculators_compat.pipeline"):
         s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)
     assert s["new_files"] == 2, s
-    assert "data_5.pt: its crc32 differs from the one recorded when it was written (the file was modified since)" \
+    assert (
+        "data_5.pt: its crc32 differs from the one recorded when it was written (the file was modified since)"
         in caplog.text
-    assert f"data_9.pt: {len(good['data_9.pt']) - 10:,} bytes where {len(good['data_9.pt']):,} were written" \
-        in caplog.text
+    )
+    assert (
+        f"data_9.pt: {len(good['data_9.pt']) - 10:,} bytes where {len(good['data_9.pt']):,} were written" in caplog.text
+    )
     assert read_dir(out) == good
     # the same size and write time: a finished run's files are trusted, unless every file is checked
     _flip_a_bit(out / "data_2.pt", keep_mtime=True)
     assert run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)["new_files"] == 0
-    assert run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), verify_existing=True,
-                       **kw)["new_files"] == 1
+    assert run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), verify_existing=True, **kw)["new_files"] == 1
     assert read_dir(out) == good
     # ... and an unfinished run's last files are checked (no manifest: the run did not finish)
     last = json.loads((out / "checksums.jsonl").read_text().splitlines()[-1])["file"]
@@ -379,11 +425,14 @@ def test_truncation_is_said_naming_the_samples(gen, llama_path, tmp_path, caplog
 
     make_jsonl(tmp_path / "in.jsonl")
     with caplog.at_level(logging.WARNING, logger="speculators_compat.pipeline"):
-        s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "out"), batch_size=7,
-                        generator=gen, progress=False)
+        s = run_extract(
+            llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "out"), batch_size=7, generator=gen, progress=False
+        )
     assert s["truncated"] == 1
-    assert ("1 sample(s) longer than max_model_len - 1 = 2047 tokens will be truncated to that length: "
-            "sample 12 (2,100 tokens)") in caplog.text
+    assert (
+        "1 sample(s) longer than max_model_len - 1 = 2047 tokens will be truncated to that length: "
+        "sample 12 (2,100 tokens)"
+    ) in caplog.text
 
 
 def test_verify_says_an_unfinished_run_is_incomplete(gen, llama_path, tmp_path, capsys):
@@ -395,8 +444,9 @@ def test_verify_says_an_unfinished_run_is_incomplete(gen, llama_path, tmp_path, 
     rows = [{"input_ids": [1, 2, 3]}] * 5 + [{"input_ids": [4, models.VOCAB + 9]}] + [{"input_ids": [7, 8]}] * 3
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DatasetError):
-        run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "out"), generator=gen, progress=False,
-                    batch_size=4)
+        run_extract(
+            llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "out"), generator=gen, progress=False, batch_size=4
+        )
     capsys.readouterr()
     assert main(["verify", str(tmp_path / "out")]) == 3
     said = capsys.readouterr().out

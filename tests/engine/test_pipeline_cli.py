@@ -4,6 +4,7 @@ the Kimi-K2.5 recipe on the tiny model, host memory as the dataset grows.
 Kept apart from test_pipeline.py so that its module-wide engine is closed before these start
 (an idle vLLM worker polls its queue and takes most of a core: one engine at a time).
 """
+
 import json
 import os
 import signal
@@ -31,8 +32,23 @@ def _worker_pids(pid: int) -> list[int]:
     return out
 
 
-CLI = [sys.executable, "-m", "speculators_compat.cli", "extract", "--layer-ids", "1,3,5", "--dtype", "float32",
-       "--batch-size", "2", "--max-model-len", "2048", "--max-num-batched-tokens", "256", "--no-progress"]
+CLI = [
+    sys.executable,
+    "-m",
+    "speculators_compat.cli",
+    "extract",
+    "--layer-ids",
+    "1,3,5",
+    "--dtype",
+    "float32",
+    "--batch-size",
+    "2",
+    "--max-model-len",
+    "2048",
+    "--max-num-batched-tokens",
+    "256",
+    "--no-progress",
+]
 
 
 ENV = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
@@ -52,8 +68,14 @@ def uninterrupted(llama_path, tmp_path_factory):
 
 
 def _start_and_wait_for_files(args, out, n=4, new_session=False):
-    p = subprocess.Popen(args + ["--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env=ENV, start_new_session=new_session)
+    p = subprocess.Popen(
+        args + ["--output", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        start_new_session=new_session,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and len(list(out.glob("data_*.pt"))) < n and p.poll() is None:
         time.sleep(0.2)
@@ -101,8 +123,9 @@ def test_killed_worker_errors_fast_and_resume_is_identical(uninterrupted, tmp_pa
     _files_intact_and_resume_identical(args, out, ref)
 
 
-@pytest.mark.parametrize("to", [pytest.param("driver", marks=pytest.mark.ends),
-                                pytest.param("group", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "to", [pytest.param("driver", marks=pytest.mark.ends), pytest.param("group", marks=pytest.mark.slow)]
+)
 def test_sigterm_shuts_down_cleanly_and_resume_is_identical(uninterrupted, tmp_path, to):
     """SIGTERM (what a batch scheduler sends a job it preempts, and ``kill``'s default) mid-run, to
     the driver or to its whole process group (as scancel does: the workers get it too). Python's
@@ -146,10 +169,27 @@ def test_kimi_recipe_runs_on_the_tiny_model(llama_path, tmp_path):
     root = Path(__file__).resolve().parents[2]
     make_jsonl(tmp_path / "in.jsonl", lengths=[30, 200, 7, 90], seed=4)
     before = set(glob.glob("/dev/shm/speculators-compat-*"))
-    r = subprocess.run([sys.executable, str(root / "examples" / "kimi_k25_int4_8gpu.py"), "--model", llama_path,
-                        "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
-                        "--tensor-parallel-size", "1", "--layer-ids", "1,3,5", "--max-model-len", "2048"],
-                       capture_output=True, text=True, env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(root / "examples" / "kimi_k25_int4_8gpu.py"),
+            "--model",
+            llama_path,
+            "--input",
+            str(tmp_path / "in.jsonl"),
+            "--output",
+            str(tmp_path / "out"),
+            "--tensor-parallel-size",
+            "1",
+            "--layer-ids",
+            "1,3,5",
+            "--max-model-len",
+            "2048",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"),
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["num_files"] == 4
     # the pipeline closes the engine it started: no arena file of it is left in /dev/shm
@@ -164,10 +204,22 @@ def test_host_memory_stays_flat_as_the_dataset_grows(llama_path, tmp_path):
     make_jsonl(tmp_path / "in.jsonl", lengths=[700, 650, 800, 900, 600, 750] * 30, seed=6)
     peaks = {}
     for n in (40, 160):
-        p = subprocess.Popen(CLI + ["--model", llama_path, "--input", str(tmp_path / "in.jsonl"), "--output",
-                                    str(tmp_path / f"o{n}"), "--max-samples", str(n)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))
+        p = subprocess.Popen(
+            CLI
+            + [
+                "--model",
+                llama_path,
+                "--input",
+                str(tmp_path / "in.jsonl"),
+                "--output",
+                str(tmp_path / f"o{n}"),
+                "--max-samples",
+                str(n),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"),
+        )
         proc, peak = psutil.Process(p.pid), 0
         while p.poll() is None:
             try:

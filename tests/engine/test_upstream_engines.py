@@ -1,6 +1,7 @@
 """Unmodified speculators 0.3.0 + ``import speculators_compat``: the cases that start an engine of
 their own, kept apart from test_upstream_patched.py's module-wide engines (one engine at a time).
 """
+
 import pytest
 
 import speculators_compat  # noqa: F401  (the user's one-line change)
@@ -21,7 +22,6 @@ def test_upstream_tensor_parallel_2(llama_path, hf_ref, monkeypatch):
     try:
         assert gen.vllm_config.parallel_config.tensor_parallel_size == 2
         _check(gen, llama_path, models.random_prompts([900] * 11, seed=43), hf_ref)
-        _check(gen, llama_path, models.random_prompts([5, 400, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3], seed=44),
-               hf_ref)
+        _check(gen, llama_path, models.random_prompts([5, 400, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3], seed=44), hf_ref)
     finally:
         gen.__del__()

@@ -3,6 +3,7 @@
 The generator runs upstream's own settings (dtype="auto": bf16 on CPU for these float32
 checkpoints, so the bf16 tolerance applies; max_num_batched_tokens = max(8192, max_model_len)).
 """
+
 import pytest
 
 import speculators_compat  # noqa: F401  (the user's one-line change)
@@ -89,8 +90,10 @@ def test_token_ids_outside_the_vocabulary_are_refused(upstream_gen, hf_ref):
     sequence named, and the generator keeps working."""
     path, gen = upstream_gen
     good = models.random_prompts([20, 30], seed=21)
-    with pytest.raises(ValueError, match=f"sequence 1 holds token id {models.VOCAB + 3}, outside the "
-                                         f"model's vocabulary of {models.VOCAB} ids"):
+    with pytest.raises(
+        ValueError,
+        match=f"sequence 1 holds token id {models.VOCAB + 3}, outside the model's vocabulary of {models.VOCAB} ids",
+    ):
         gen.generate([good[0], good[1] + [models.VOCAB + 3]])
     with pytest.raises(ValueError, match="sequence 0 holds a negative token id -1"):
         gen.generate([[5, -1]])
@@ -114,9 +117,15 @@ def test_upstream_offline_script_steps(upstream_gen, hf_ref, tmp_path):
     assert [r["input_ids"].tolist() for r in res] == prompts
     worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, hf_ref(path, LAYERS), TOL)
     assert not bad, f"worst rel err {worst}; mismatches: {bad[:5]}"
-    cfg = DataGenerationConfig.from_generator(generator=gen, train_data_path="local.jsonl", seq_length=2048,
-                                              cache_dir=str(tmp_path), num_samples=len(prompts), max_samples=None,
-                                              seed=0)
+    cfg = DataGenerationConfig.from_generator(
+        generator=gen,
+        train_data_path="local.jsonl",
+        seq_length=2048,
+        cache_dir=str(tmp_path),
+        num_samples=len(prompts),
+        max_samples=None,
+        seed=0,
+    )
     d = json.loads(json.dumps(cfg.to_dict()))
     assert d["model"]["target_model_path"] == path
     assert d["model"]["tensor_parallel_size"] == 1
