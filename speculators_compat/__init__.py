@@ -8,6 +8,17 @@ patches through the ``vllm.general_plugins`` entry point. ``SPECULATORS_COMPAT_D
 from __future__ import annotations
 
 from . import hooks
+from .errors import (
+    ArenaSpaceError,
+    CaptureError,
+    CheckpointError,
+    DatasetError,
+    OutputError,
+    StallError,
+    TokenIdError,
+    WorkerDiedError,
+    WriterProcessDied,
+)
 
 __version__ = "0.1.0"
 
@@ -39,4 +50,19 @@ def __getattr__(name):  # lazy: the generator imports torch/vLLM only when used
 
 patch()
 
-__all__ = ["patch", "unpatch", "status", "VllmHiddenStatesGenerator", "__version__"]
+__all__ = [
+    "patch",
+    "unpatch",
+    "status",
+    "VllmHiddenStatesGenerator",
+    "__version__",
+    "ArenaSpaceError",
+    "CaptureError",
+    "CheckpointError",
+    "DatasetError",
+    "OutputError",
+    "StallError",
+    "TokenIdError",
+    "WorkerDiedError",
+    "WriterProcessDied",
+]
