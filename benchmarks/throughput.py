@@ -9,11 +9,22 @@ batch:
   pipeline  the full extract pipeline over the same batches (--batch-size = --batch): generate +
             every sample's file written by the pipeline's writers, manifest at the end; timed around
             run_extract (deleting the output afterwards is not timed)
+  native    vLLM's own extractor (vLLM >= 0.18): LLM.generate(max_tokens=1) with
+            speculative_config method "extract_hidden_states" and ExampleHiddenStatesConnector, which
+            writes one safetensors file a prompt ([tokens, layers, hidden]); timed until every file
+            of the run is complete (its lock released, where the connector makes one), each file's
+            header then checked for the prompt's shape; how many were complete when each
+            generate() returned is recorded. Same layers as ours (vLLM's ids: ours + 1). On CPU the
+            stock connector's CUDA copy is replaced by a CPU gather (native_cpu_connector.py). Its
+            first batch's states are compared with ours (bit-identical is the expectation).
   hf        HF transformers forward with output_hidden_states, micro-batched
 Each is warmed up once, then the contenders run in turn, ``--reps`` rounds (alternating, so drift hits
 all); the table gives the median tokens/s and the spread (min-max), and the last line the ratios.
+Per-batch times of raw, generate and native are kept too: ``first_batch`` gives, per timed run, the
+first batch's tokens/s over the median of that run's other batches (the first run's first batch is
+the first call after warm-up).
 
-On CPU, hold thread binding and reserved cores equal across engines (RUNTIME.md section 10 saw a 2x
+On CPU, hold thread binding and reserved cores equal across engines (unequal settings once gave a 2x
 artefact otherwise): this script sets VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU once
 for both engines. On CPU the two engines run one after the other (``--sequential``: an idle vLLM CPU
 engine's workers still poll), in the order raw, ours, raw, ours...
@@ -38,6 +49,51 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def _safetensors_header(path: str) -> dict:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))
+
+
+def _file_complete(path: str) -> bool:
+    """Whether the native connector has finished ``path``: it exists and no writer holds its lock
+    (connectors that write in a thread pool hold ``path.lock`` exclusively until the file is whole;
+    those that write inside the engine step make no lock)."""
+    import fcntl
+
+    if not os.path.exists(path):
+        return False
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _wait_complete(path: str, timeout: float = 600.0) -> None:
+    import fcntl
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"native: {path} was never written")
+        time.sleep(0.001)
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # sleeps until the writer releases it
+    finally:
+        os.close(fd)
 
 
 def _sample_bytes(path: str, lengths: list[int], itemsize: int, layers: str | None) -> int:
@@ -117,6 +173,7 @@ def main(argv=None) -> int:
         "alternated in one run (overrides --out-dir for the pipeline's output)",
     )
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-native", action="store_true", help="leave out vLLM's own extractor")
     ap.add_argument("--json", default=None, help="write the figures here too")
     a = ap.parse_args(argv)
     if a.seq_mixed and not a.no_hf:
@@ -127,6 +184,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
+    from packaging.version import Version
 
     import speculators_compat  # noqa: F401
     from speculators_compat import VllmHiddenStatesGenerator, versions
@@ -155,6 +213,28 @@ def main(argv=None) -> int:
         gpu_memory_utilization=a.gpu_memory_utilization,
     )
     times: dict[str, list[float]] = {}
+    batch_s: dict[str, list[list[float]]] = {}  # per timed run: each engine call's seconds
+
+    def per_batch(name, calls):  # -> run(record): the calls in turn, each one's seconds noted
+        def run(record=True):
+            ts = []
+            for c in calls:
+                t = time.perf_counter()
+                c()
+                ts.append(time.perf_counter() - t)
+            if record:
+                batch_s.setdefault(name, []).append(ts)
+
+        return run
+
+    from speculators_compat.layers import default_layer_ids, read_num_layers
+
+    layer_ids = [int(x) for x in a.layers.split(",")] if a.layers else None
+    layer_ids_resolved = layer_ids or default_layer_ids(read_num_layers(path))
+    with open(os.path.join(path, "config.json")) as f:
+        hidden = json.load(f)["hidden_size"]
+    dev = "cuda" if cuda else "cpu"
+    native = not a.no_native and Version(versions.installed("vllm")).release >= (0, 18)
     tmp = tempfile.mkdtemp(prefix="sc-bench-", dir=a.out_dir)
     out_dirs = a.out_dirs.split(",") if a.out_dirs else [None]  # None: under tmp
     out_roots = {d: (tempfile.mkdtemp(prefix="sc-bench-", dir=d) if d else tmp) for d in out_dirs}
@@ -184,18 +264,100 @@ def main(argv=None) -> int:
         )
         sp = SamplingParams(max_tokens=1, temperature=0.0)
         reqs = [[{"prompt_token_ids": p} for p in b] for b in batches]
-        return llm, (lambda: [llm.generate(r, sp, use_tqdm=False) for r in reqs])
+        return llm, per_batch("raw", [lambda r=r: llm.generate(r, sp, use_tqdm=False) for r in reqs])
 
     def make_ours():
-        gen = VllmHiddenStatesGenerator(
-            path, layer_ids=[int(x) for x in a.layers.split(",")] if a.layers else None, **common
+        gen = VllmHiddenStatesGenerator(path, layer_ids=layer_ids, **common)
+        # like a consumer that saves each batch and drops it
+        return gen, per_batch(f"generate[{dev}]", [lambda b=b: gen.generate(b) for b in batches])
+
+    native_info: dict = {}
+
+    def make_native():
+        """vLLM's extract_hidden_states method + its hidden-states connector: one file a prompt."""
+        from vllm import LLM, SamplingParams
+
+        store = tempfile.mkdtemp(prefix="native-", dir=out_roots[out_dirs[0]])
+        kv = {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": store},
+        }
+        from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as stock
+
+        # the connectors that write on a thread pool copy the rows on a CUDA stream first
+        if not cuda and hasattr(stock.ExampleHiddenStatesConnector, "_submit_async_write"):
+            here = os.path.dirname(os.path.abspath(__file__))
+            sys.path.insert(0, here)
+            os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+            kv.update(kv_connector="CpuHiddenStatesConnector", kv_connector_module_path="native_cpu_connector")
+        # vLLM's convention (output of i layers: ours + 1), each layer once, ascending, as vLLM keeps them
+        native_ids = sorted({i + 1 for i in layer_ids_resolved})
+        llm = LLM(
+            model=path,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            seed=0,
+            distributed_executor_backend="mp",
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": native_ids}},
+            },
+            kv_transfer_config=kv,
+            **common,
         )
+        native_info.update(layer_ids=native_ids, connector=kv["kv_connector"], complete_at_return=[])
+        sp = SamplingParams(max_tokens=1, temperature=0.0)
+        reqs = [[{"prompt_token_ids": p} for p in b] for b in batches]
+        written: list[tuple[str, int]] = []
 
-        def run():
-            for b in batches:  # like a consumer that saves each batch and drops it
-                gen.generate(b)
+        def call(r):
+            outs = llm.generate(r, sp, use_tqdm=False)
+            files = [(o.kv_transfer_params["hidden_states_path"], len(o.prompt_token_ids)) for o in outs]
+            native_info["complete_at_return"].append(sum(_file_complete(f) for f, _ in files) / len(files))
+            written.extend(files)
 
-        return gen, run
+        timed_calls = per_batch("native", [lambda r=r: call(r) for r in reqs])
+
+        def run(record=True):
+            written.clear()
+            timed_calls(record)
+            for f, _ in written:  # the run ends when its last file is whole
+                _wait_complete(f)
+
+        def check_and_clean():  # untimed: every file's header has its prompt's shape; then delete
+            want_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[a.dtype]
+            for f, n in written:
+                hs = _safetensors_header(f)["hidden_states"]
+                if hs["shape"] != [n, len(native_ids), hidden] or hs["dtype"] != want_dtype:
+                    raise RuntimeError(f"native: {f} holds {hs}, expected [{n}, {len(native_ids)}, {hidden}]")
+            native_info["files_checked"] = native_info.get("files_checked", 0) + len(written)
+            shutil.rmtree(store, ignore_errors=True)
+            os.makedirs(store, exist_ok=True)
+
+        def first_batch_states():
+            from safetensors.torch import load_file
+
+            return [load_file(f)["hidden_states"] for f, _ in written[: len(batches[0])]]
+
+        return llm, run, check_and_clean, first_batch_states
+
+    def compare_native(ours_first):  # ours (list of dicts) vs native's files, first batch, every layer
+        nat = native_info.pop("first_batch", None)
+        if nat is None:
+            return
+        worst = worst_rel = 0.0
+        for o, n in zip(ours_first, nat):
+            for lid, h in zip(layer_ids_resolved, o["hidden_states"], strict=True):
+                col = native_info["layer_ids"].index(lid + 1)
+                d = (h.float() - n[:, col].float()).abs().max().item()
+                worst = max(worst, d)
+                worst_rel = max(worst_rel, d / max(h.float().abs().max().item(), 1e-30))
+        native_info["max_abs_diff_vs_ours"] = worst
+        native_info["max_rel_diff_vs_ours"] = worst_rel  # per sample and layer: max |diff| / max |ours|
+        native_info["bit_identical"] = worst == 0.0
+        print(f"native vs ours, first batch, every layer: max |diff| = {worst} (relative {worst_rel:.2e})")
 
     breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
 
@@ -228,7 +390,15 @@ def main(argv=None) -> int:
             if name:
                 parts = {
                     k: s[k]
-                    for k in ("generate_s", "read_s", "handoff_s", "writer_wait_s", "writer_tail_s", "writer_start_s")
+                    for k in (
+                        "generate_s",
+                        "read_s",
+                        "handoff_s",
+                        "writer_wait_s",
+                        "writer_tail_s",
+                        "writer_start_s",
+                        "sync_s",
+                    )
                 }
                 breakdown.setdefault(name, []).append(
                     {
@@ -319,31 +489,62 @@ def main(argv=None) -> int:
             pipeline_tag[name] = tag
             rec_run(gen, name, pipeline_fn(gen, wt, wm, name, ck, fmt, shard, ptw, od))
 
-    dev = "cuda" if cuda else "cpu"
-    if cuda:  # both engines alive; alternate call by call
+    def warm_ours(gen, ours):  # the warm-up call, its first batch's rows kept for the native check
+        ours(record=False)
+        if native_info.get("first_batch") is not None:
+            compare_native(gen.generate(batches[0]))
+
+    def shut(llm):
+        if hasattr(llm.llm_engine, "engine_core"):
+            llm.llm_engine.engine_core.shutdown()
+
+    def native_phase(nat, check_and_clean):  # one timed native run: time, then check + delete untimed
+        rec("native", _timed(nat))
+        check_and_clean()
+
+    if cuda:  # all engines alive; alternate call by call
         llm, raw = make_raw()
         gen, ours = make_ours()
-        raw(), ours()  # warm-up (the pipeline's too: its writer processes start once)
+        if native:
+            nllm, nat, nat_clean, nat_first = make_native()
+            nat(record=False)
+            native_info["first_batch"] = nat_first()
+            nat_clean()
+        raw(record=False)
+        warm_ours(gen, ours)  # warm-up (the pipeline's too: its writer processes start once)
         for wm in wms:
             pipeline_fn(gen, wts[0], wm)()
         for _ in range(a.reps):
             rec("raw", _timed(raw))
             rec_run(gen, f"generate[{dev}]", lambda: _timed(ours))
             time_pipelines(gen, "")
+            if native:
+                native_phase(nat, nat_clean)
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
         del llm
+        if native:
+            del nllm
     else:  # CPU: one engine at a time, alternating phases
         for _phase in range(2):
             llm, raw = make_raw()
-            raw()
+            raw(record=False)
             for _ in range(a.reps):
                 rec("raw", _timed(raw))
-            if hasattr(llm.llm_engine, "engine_core"):
-                llm.llm_engine.engine_core.shutdown()
+            shut(llm)
             del llm
+            if native:
+                nllm, nat, nat_clean, nat_first = make_native()
+                nat(record=False)
+                if _phase == 0:
+                    native_info["first_batch"] = nat_first()
+                nat_clean()
+                for _ in range(a.reps):
+                    native_phase(nat, nat_clean)
+                shut(nllm)
+                del nllm
             gen, ours = make_ours()
-            ours()
+            warm_ours(gen, ours)
             for wm in wms:
                 pipeline_fn(gen, wts[0], wm)()
             for _ in range(a.reps):
@@ -397,7 +598,21 @@ def main(argv=None) -> int:
         "out_dirs": out_dirs if a.out_dirs else None,
         "file_cost_us": file_cost,
         "sample_bytes": sample_bytes,
+        "layer_ids": layer_ids_resolved,
     }
+    # per timed run: the first batch's tokens/s over the median of the run's other batches
+    per_batch_tokens = [sum(len(p) for p in b) for b in batches]
+    first_batch = {}
+    if len(batches) > 1:
+        for k, runs in batch_s.items():
+            first_batch[k] = [
+                round(
+                    (per_batch_tokens[0] / ts[0])
+                    / statistics.median(n / t for n, t in zip(per_batch_tokens[1:], ts[1:], strict=True)),
+                    3,
+                )
+                for ts in runs
+            ]
     print(json.dumps(env))
     print("| contender | tokens/s (median) | spread (min-max) | runs |")
     print("|---|---|---|---|")
@@ -410,6 +625,9 @@ def main(argv=None) -> int:
         for pk in [k for k in rows if pipeline_tag.get(k) == tag]:
             ratios[f"{pk}/{gen_key}"] = rows[pk]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     gen_key = next(k for k in rows if k.startswith("generate"))
+    if "native" in rows:
+        ratios["native/raw"] = rows["native"]["tok_s_median"] / rows["raw"]["tok_s_median"]
+        ratios[f"{gen_key}/native"] = rows[gen_key]["tok_s_median"] / rows["native"]["tok_s_median"]
     if "hf" in rows:
         ratios[f"{gen_key}/hf"] = rows[gen_key]["tok_s_median"] / rows["hf"]["tok_s_median"]
     if a.json:
@@ -424,6 +642,9 @@ def main(argv=None) -> int:
                     "arena_slabs_made": slabs_made,
                     "engine_s": engine_s,
                     "driver_gc": gc_s,
+                    "batch_times_s": batch_s,
+                    "first_batch": first_batch,
+                    "native": native_info or None,
                 },
                 f,
                 indent=1,
@@ -445,6 +666,13 @@ def main(argv=None) -> int:
             f"{k}: driver GC per run: median {statistics.median(r['gc_s'] for r in v):.4f} s, "
             f"full collections {[r['full_collections'] for r in v]}"
         )
+    if first_batch:
+        print("first batch tokens/s over the run's other batches, per timed run:", json.dumps(first_batch))
+    if native_info:
+        print("native:", json.dumps({k: v for k, v in native_info.items() if k != "complete_at_return"}))
+        done = native_info.get("complete_at_return") or []
+        if done:
+            print(f"native: files complete when generate() returned: {statistics.mean(done):.1%} on average")
     print("ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     return 0
 

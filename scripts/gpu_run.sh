@@ -2,7 +2,8 @@
 # On a GPU machine where vLLM is installed into $SITE (the ../shared/gpu bundle puts vLLM 0.20.0 in
 # /tmp/site): expose this source tree with its vLLM plugin entry point, then run the GPU checks.
 #   bash scripts/gpu_run.sh correctness OUTDIR     # engines vs HF on the GPU, async keep/disable
-#   bash scripts/gpu_run.sh bench OUTDIR           # throughput: raw vLLM vs generate vs pipeline vs HF
+#   bash scripts/gpu_run.sh bench OUTDIR [ARGS]    # throughput: raw vLLM, generate, pipeline, vLLM's own
+#        extractor and HF on a ~1.1B Llama-shaped model (ARGS to benchmarks/throughput.py, e.g. --batches 16)
 #   bash scripts/gpu_run.sh kimi OUTDIR [ARGS]     # Kimi-K2.5-width DeepSeek-V3 model, few layers
 #        (ARGS to scripts/gpu_kimi_shaped.py, e.g. --tp 1,2, or --tp 2 --pipeline)
 set -euo pipefail
@@ -19,8 +20,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 if [ "$mode" = kimi ]; then
   python3 scripts/gpu_kimi_shaped.py "$out" "$@" 2>&1 | tee -a "$out/kimi.log" | grep -v "^INFO"
 elif [ "$mode" = bench ]; then
-  python3 benchmarks/throughput.py --model llama-1b --batch 32 --seq 1024 --batches 2 --reps 3 --dtype bfloat16 \
-      --max-num-batched-tokens 8192 --copy-modes pinned,sync --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log" | grep -v "^INFO"
+  python3 benchmarks/throughput.py --model llama-1b --batch 32 --seq 1024 --batches 8 --reps 3 --dtype bfloat16 \
+      --max-num-batched-tokens 8192 --gpu-memory-utilization 0.25 --json "$out/bench.json" "$@" 2>&1 \
+      | tee "$out/bench.log" | grep -v "^INFO"
 else
   python3 scripts/gpu_check.py "$out" 2>&1 | tee "$out/correctness.log" | grep -v "^INFO"
 fi

@@ -376,6 +376,8 @@ def _run_locked(
             "writer_tail_s": round(writer.tail_s, 3),
             # waiting for writer processes to start (their torch import): not the disk
             "writer_start_s": round(writer.start_wait_s, 3),
+            # writing back what the page cache still held, before the manifest: the disk's pace
+            "sync_s": round(out.sync_s, 3),
             # what this run wrote, and how fast (over the whole compute phase)
             "bytes_written": writer.bytes_written,
             "write_mib_per_s": round(write_mib_s, 1),
@@ -400,7 +402,7 @@ def _warn_if_write_bound(wait_s: float, write_s: float, write_mib_s: float, root
     writers' queue: the output disk, not the engine, then sets the pace. On the H200 host the
     pipeline kept 0.896 of generate() over 64 batches written to tmpfs, and 0.738 written to its
     disk, which sustains ~1.2 GiB/s against the 4.4 GiB/s of hidden states produced
-    (docs/gpu-results.md section 12): nothing in the pipeline can go faster than the disk."""
+    (docs/benchmarks.md): nothing in the pipeline can go faster than the disk."""
     if wait_s < max(WRITE_BOUND_MIN_S, WRITE_BOUND_SHARE * write_s):
         return False
     logger.warning(

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from ..errors import OutputError
@@ -36,6 +37,7 @@ class OutputDir:
         self.fmt = fmt
         self.checksum = check_checksum(checksum)
         self.shard_size = shard_size
+        self.sync_s = 0.0  # finalize's write-back of the filesystem, seconds
         self._lock_fd: int | None = None
 
     #: run settings a resume may change (run.json keeps the first run's), and what changing them means
@@ -319,7 +321,9 @@ class OutputDir:
             # byte-identical to an uninterrupted one's)
             rec = {k: v for k, v in rec.items() if (k not in CHECKSUMS or k == algo) and k != "mtime_ns"}
             files.append(rec)
+        t = time.perf_counter()
         sync_filesystem(self.root)  # the files are durable before the manifest says the dataset is complete
+        self.sync_s = time.perf_counter() - t
         manifest = dict(extra)
         if self.shard_size > 1:
             manifest["shard_size"] = self.shard_size
