@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README; .ci/run calls it).
-#   1. unit tests in a light env (wrapt + packaging + pytest only: proves no torch/vLLM is needed);
+#   1. unit tests in a light env (wrapt + packaging + pytest only: proves no torch/vLLM is needed),
+#      ruff, and the wheel installed into a fresh venv (scripts/wheel_check.sh);
 #   2. the real-engine matrix: for each vLLM version, build/reuse its CPU environment and run the
 #      suite (unit + engine) there, one engine at a time (markers: below);
 #   3. a results table (version x check) and one closing "N passed, N failed, N skipped" line.
@@ -26,6 +27,8 @@ t0=$(date +%s)
 echo "=== ruff (lint + format, pyproject [tool.ruff])"
 "$LIGHT" -m ruff check --no-cache . || status=1
 "$LIGHT" -m ruff format --check --no-cache . || status=1
+echo "=== wheel (built, installed into a fresh venv, doctor run there)"
+bash scripts/wheel_check.sh || status=1
 echo "light $(( $(date +%s) - t0 ))" >> "$RESULTS/times.txt"
 
 for v in $MATRIX; do
