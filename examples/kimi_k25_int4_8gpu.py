@@ -18,8 +18,8 @@ What each setting is for:
   * VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1200: cold INT4 MoE kernels can stall the first step;
   * enable_expert_parallel: optional (--ep). Tested on H200s with a Kimi-width 3-layer model: plain
     TP=1 and 2, and TP=2 with EP (HF-exact within bf16 tolerance, killed-worker resume
-    byte-identical; docs/gpu-results.md sections 5.1 and 14.1), and at TP=1 in Kimi-K2.5's own
-    layout with INT4 group-32 experts (section 19); TP=8 has not run;
+    byte-identical; docs/kimi-k25.md), and at TP=1 in Kimi-K2.5's own
+    layout with INT4 group-32 experts; TP=8 has not run;
   * --output on a disk that keeps up: 57.4 MB/s for each 1,000 tokens/s extracted (`plan` prints
     it). Over long runs that disk, not the GPUs, can set the pace (on the H200 test host: 1.2 GiB/s
     against 4.4 GiB/s of states from a 1.1B model); a run that waited on its writers says so.
@@ -31,7 +31,7 @@ What each setting is for:
 Resumable: rerun the same command after any interruption. SIGTERM (what a scheduler preempting the
 job sends) and SIGHUP shut the engine down like Ctrl-C and exit with 128 + the signal's number. The
 samples already written are kept; the ones recomputed can differ slightly from an uninterrupted run's, because vLLM's INT4 MoE kernel
-is not bit-for-bit reproducible run to run (measured on vLLM 0.20, section 19; both match HF).
+is not bit-for-bit reproducible run to run (measured on vLLM 0.20, docs/kimi-k25.md; both match HF).
 
 It needs the GPUs; everything around it runs on the built-in tiny models on CPU:
     python examples/kimi_k25_int4_8gpu.py --model "$(python -c 'from speculators_compat.testing import models; print(models.build("llama"))')" \

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU correctness run (docs/gpu-results.md): unmodified speculators 0.3.0 + import, and the drop-in
+"""GPU correctness run (docs/results/h200-*-correctness-*.json): unmodified speculators 0.3.0 + import, and the drop-in
 generator, on real CUDA vLLM, against HF transformers (float32) on the same GPU.
 
   1. upstream class + `import speculators_compat`, tiny Llama, async `disable` then `keep`;

@@ -9,7 +9,7 @@ group, as a terminal's Ctrl-C or a scheduler's scancel does), then the same comm
 Prints and writes ``OUTDIR/interrupt.json``: the exit status and how long the driver took to
 exit, the child processes still alive 10 s later, the /dev/shm files of ours left, partial
 files, and whether the resumed dataset is byte-identical to the reference. Used on the CPU
-machine and on the H200 (docs/gpu-results.md section 22).
+machine and on the H200 (docs/results/*sig*.json).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ queue there and the real-engine tests cannot reach this branch. This test stands
 EngineCore (pytest-mock) with vLLM's batch-queue semantics: a request is finished only when the
 step that *returns* its batch runs, which can be after the scheduler has nothing left to schedule.
 What it checks is our loop: it keeps stepping while batches are in flight, and it stops (with a
-clear error) when nothing progresses. The real thing runs on the H200 (docs/gpu-results.md).
+clear error) when nothing progresses. The real thing runs on the H200 (docs/results/h200-*-correctness-*.json).
 """
 
 from collections import deque

@@ -2,7 +2,7 @@
 
 The CUDA branch cannot run on the CPU machines: on the H200 (vLLM 0.20) forked workers died at
 start-up after the driver had queried CUDA (speculators 0.3.0's class + the import, Kimi-K2.5), and
-spawned ones started (docs/gpu-results.md section 19). These cases pin the rule itself."""
+spawned ones started (docs/kimi-k25.md). These cases pin the rule itself."""
 
 import pytest
 

@@ -50,7 +50,7 @@ def default_writer_processes(gpu_workers: int | None = None) -> int:
     the workers spin while the GPUs work), 2..16. On the 16-core H200 host (TP 1) that is 13:
     with 13 the pipeline reached 0.934 and 0.908 of ``generate()`` over 40 batches against 0.897
     with 14 in the same run, whose last files took as long (0.078 against 0.076 s); 4 and 8 were
-    far too few (docs/gpu-results.md sections 8, 9 and 11). ``gpu_workers`` is the engine's
+    far too few (docs/benchmarks.md). ``gpu_workers`` is the engine's
     tensor-parallel size (default 1). Elsewhere half the CPUs, 2..16: a CPU engine needs its
     cores."""
 

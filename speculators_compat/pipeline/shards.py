@@ -21,7 +21,7 @@ is computed again and rewritten, so a resumed dataset is byte-identical to an un
 Complete shards are written on a pool of threads (``--writer-threads``, default half the CPUs,
 2..8). On the H200 host (1.1B model, bf16) that was 392 MiB/s with one thread and 729 MiB/s with
 8, and the pipeline kept 0.089 and 0.163 of ``generate()``, against ~0.89 with ``data_{i}.pt`` from
-the writer processes (docs/gpu-results.md section 16): the threads share the GIL with the
+the writer processes (docs/benchmarks.md): the threads share the GIL with the
 driver. States of several MB a sample gain nothing from sharing a file; shards are for small ones.
 
 The shard writer holds the shard being filled and at most one shard per writer thread being

@@ -59,7 +59,7 @@ class _ChecksumLog:
 def default_writer_threads() -> int:
     """Half the CPUs, 2..8 (1 on one CPU). Each thread streams torch.save through the file's
     checksum (with sha256 ~0.6-1 GiB/s a thread); an H200 host's generate() outruns 4 of them
-    (docs/gpu-results.md)."""
+    (docs/benchmarks.md)."""
     cpus = usable_cpus()
     return min(8, max(min(2, cpus), cpus // 2))
 

@@ -189,7 +189,7 @@ def test_deepseek_v3_mla_moe(vllm_version, hf_ref, capfd):
         # not started in CI (an engine start is ~25 s a version); scripts/sweep.py sets the variable
         pytest.skip(
             f"vLLM {vllm_version}: its CPU backend says 'MLA is not supported on CPU' up to 0.27 "
-            "(measured on every release, docs/compatibility.md); the H200 runs it (docs/gpu-results.md)"
+            "(measured on every release, docs/compatibility.md); the H200 runs it (docs/kimi-k25.md)"
         )
     path = str(models.build("deepseek_v3"))
     try:
@@ -229,7 +229,7 @@ def test_kimi_k25_wrapper_text_only(vllm_version, hf_ref):
     if vllm_version < Version("0.29"):
         pytest.skip(
             f"vLLM {vllm_version}: its CPU backend runs no MLA before 0.29 (docs/compatibility.md); "
-            "the wrapper ran on the H200 (docs/gpu-results.md section 19)"
+            "the wrapper ran on the H200 (docs/kimi-k25.md)"
         )
     path = str(models.build("kimi_k25"))
     layers = [3, 0, 1]
@@ -306,7 +306,7 @@ def test_deepseek_v3_tensor_parallel_2(vllm_version, hf_ref, monkeypatch):
     if vllm_version < Version("0.29"):
         pytest.skip(
             f"vLLM {vllm_version}: its CPU backend runs no MLA before 0.29 (docs/compatibility.md); "
-            "TP=2 with this architecture ran on two H200s (docs/gpu-results.md section 5)"
+            "TP=2 with this architecture ran on two H200s (docs/kimi-k25.md)"
         )
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     path = str(models.build("deepseek_v3"))

@@ -84,7 +84,7 @@ def test_patch_life_cycle(name):
         p.revert()
         assert all(a is b for a, b in zip(_snapshot(places), original))
     finally:
-        p.on_import(module)  # (the rest of the session runs patched)
+        p.on_import(module)  # (the rest of the test run stays patched)
     assert p.is_applied()
 
 
