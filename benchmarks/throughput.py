@@ -57,45 +57,6 @@ def _safetensors_header(path: str) -> dict:
         return json.loads(f.read(n))
 
 
-def _file_complete(path: str) -> bool:
-    """Whether the native connector has finished ``path``: it exists and no writer holds its lock
-    (connectors that write in a thread pool hold ``path.lock`` exclusively until the file is whole;
-    those that write inside the engine step make no lock)."""
-    import fcntl
-
-    if not os.path.exists(path):
-        return False
-    try:
-        fd = os.open(path + ".lock", os.O_RDONLY)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _wait_complete(path: str, timeout: float = 600.0) -> None:
-    import fcntl
-
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"native: {path} was never written")
-        time.sleep(0.001)
-    try:
-        fd = os.open(path + ".lock", os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)  # sleeps until the writer releases it
-    finally:
-        os.close(fd)
-
-
 def _sample_bytes(path: str, lengths: list[int], itemsize: int, layers: str | None) -> int:
     """Bytes of hidden states in one median-length sample (what a data file mostly holds)."""
     with open(os.path.join(path, "config.json")) as f:
@@ -186,6 +147,9 @@ def main(argv=None) -> int:
     import torch
     from packaging.version import Version
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import native
+
     import speculators_compat  # noqa: F401
     from speculators_compat import VllmHiddenStatesGenerator, versions
     from speculators_compat.pipeline.extract import run_extract
@@ -234,7 +198,7 @@ def main(argv=None) -> int:
     with open(os.path.join(path, "config.json")) as f:
         hidden = json.load(f)["hidden_size"]
     dev = "cuda" if cuda else "cpu"
-    native = not a.no_native and Version(versions.installed("vllm")).release >= (0, 18)
+    with_native = not a.no_native and Version(versions.installed("vllm")).release >= (0, 18)
     tmp = tempfile.mkdtemp(prefix="sc-bench-", dir=a.out_dir)
     out_dirs = a.out_dirs.split(",") if a.out_dirs else [None]  # None: under tmp
     out_roots = {d: (tempfile.mkdtemp(prefix="sc-bench-", dir=d) if d else tmp) for d in out_dirs}
@@ -251,17 +215,14 @@ def main(argv=None) -> int:
         for p in prompts:
             f.write(json.dumps({"input_ids": p}) + "\n")
 
+    llm_args = dict(
+        model=path, enforce_eager=True, enable_prefix_caching=False, seed=0, distributed_executor_backend="mp", **common
+    )
+
     def make_raw():
         from vllm import LLM, SamplingParams
 
-        llm = LLM(
-            model=path,
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            seed=0,
-            distributed_executor_backend="mp",
-            **common,
-        )
+        llm = LLM(**llm_args)
         sp = SamplingParams(max_tokens=1, temperature=0.0)
         reqs = [[{"prompt_token_ids": p} for p in b] for b in batches]
         return llm, per_batch("raw", [lambda r=r: llm.generate(r, sp, use_tqdm=False) for r in reqs])
@@ -278,35 +239,11 @@ def main(argv=None) -> int:
         from vllm import LLM, SamplingParams
 
         store = tempfile.mkdtemp(prefix="native-", dir=out_roots[out_dirs[0]])
-        kv = {
-            "kv_connector": "ExampleHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": store},
-        }
-        from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as stock
-
-        # the connectors that write on a thread pool copy the rows on a CUDA stream first
-        if not cuda and hasattr(stock.ExampleHiddenStatesConnector, "_submit_async_write"):
-            here = os.path.dirname(os.path.abspath(__file__))
-            sys.path.insert(0, here)
-            os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
-            kv.update(kv_connector="CpuHiddenStatesConnector", kv_connector_module_path="native_cpu_connector")
         # vLLM's convention (output of i layers: ours + 1), each layer once, ascending, as vLLM keeps them
         native_ids = sorted({i + 1 for i in layer_ids_resolved})
-        llm = LLM(
-            model=path,
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            seed=0,
-            distributed_executor_backend="mp",
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": native_ids}},
-            },
-            kv_transfer_config=kv,
-            **common,
-        )
+        args = native.engine_kwargs(store, native_ids, cuda)
+        llm = LLM(**llm_args, **args)
+        kv = args["kv_transfer_config"]
         native_info.update(layer_ids=native_ids, connector=kv["kv_connector"], complete_at_return=[])
         sp = SamplingParams(max_tokens=1, temperature=0.0)
         reqs = [[{"prompt_token_ids": p} for p in b] for b in batches]
@@ -315,7 +252,7 @@ def main(argv=None) -> int:
         def call(r):
             outs = llm.generate(r, sp, use_tqdm=False)
             files = [(o.kv_transfer_params["hidden_states_path"], len(o.prompt_token_ids)) for o in outs]
-            native_info["complete_at_return"].append(sum(_file_complete(f) for f, _ in files) / len(files))
+            native_info["complete_at_return"].append(sum(native.file_complete(f) for f, _ in files) / len(files))
             written.extend(files)
 
         timed_calls = per_batch("native", [lambda r=r: call(r) for r in reqs])
@@ -324,7 +261,7 @@ def main(argv=None) -> int:
             written.clear()
             timed_calls(record)
             for f, _ in written:  # the run ends when its last file is whole
-                _wait_complete(f)
+                native.wait_complete(f)
 
         def check_and_clean():  # untimed: every file's header has its prompt's shape; then delete
             want_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[a.dtype]
@@ -505,7 +442,7 @@ def main(argv=None) -> int:
     if cuda:  # all engines alive; alternate call by call
         llm, raw = make_raw()
         gen, ours = make_ours()
-        if native:
+        if with_native:
             nllm, nat, nat_clean, nat_first = make_native()
             nat(record=False)
             native_info["first_batch"] = nat_first()
@@ -518,12 +455,12 @@ def main(argv=None) -> int:
             rec("raw", _timed(raw))
             rec_run(gen, f"generate[{dev}]", lambda: _timed(ours))
             time_pipelines(gen, "")
-            if native:
+            if with_native:
                 native_phase(nat, nat_clean)
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         gen.close()
         del llm
-        if native:
+        if with_native:
             del nllm
     else:  # CPU: one engine at a time, alternating phases
         for _phase in range(2):
@@ -533,7 +470,7 @@ def main(argv=None) -> int:
                 rec("raw", _timed(raw))
             shut(llm)
             del llm
-            if native:
+            if with_native:
                 nllm, nat, nat_clean, nat_first = make_native()
                 nat(record=False)
                 if _phase == 0:

@@ -38,7 +38,9 @@ def main() -> int:
     import torch
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
-    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as stock
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import native
 
     from speculators_compat import versions
     from speculators_compat.layers import default_layer_ids, read_num_layers
@@ -53,16 +55,7 @@ def main() -> int:
     lengths = [rng.randint(lo, hi) for _ in range(a.prompts)]
     prompts = models.random_prompts(lengths, seed=11)
     store = tempfile.mkdtemp(prefix="native-chunked-")
-    kv = {
-        "kv_connector": "ExampleHiddenStatesConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": store},
-    }
-    if not torch.cuda.is_available() and hasattr(stock.ExampleHiddenStatesConnector, "_submit_async_write"):
-        bench = os.path.join(ROOT, "benchmarks")
-        sys.path.insert(0, bench)
-        os.environ["PYTHONPATH"] = bench + os.pathsep + os.environ.get("PYTHONPATH", "")
-        kv.update(kv_connector="CpuHiddenStatesConnector", kv_connector_module_path="native_cpu_connector")
+    args = native.engine_kwargs(store, native_ids, torch.cuda.is_available())
     llm = LLM(
         model=path,
         enforce_eager=True,
@@ -71,17 +64,13 @@ def main() -> int:
         dtype=a.dtype,
         max_model_len=max(2048, hi + 8),
         max_num_batched_tokens=a.max_num_batched_tokens,
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": native_ids}},
-        },
-        kv_transfer_config=kv,
+        **args,
     )
+    kv = args["kv_transfer_config"]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0.0))
     files = [o.kv_transfer_params["hidden_states_path"] for o in outs]
     deadline = time.monotonic() + 120
-    while not all(_unlocked(f) for f in files):
+    while not all(native.file_complete(f) for f in files):
         if time.monotonic() > deadline:
             raise RuntimeError("native files not complete after 120 s")
         time.sleep(0.05)
@@ -138,22 +127,6 @@ def main() -> int:
         with open(a.json, "w") as fh:
             json.dump(report, fh, indent=1)
     return 0
-
-
-def _unlocked(path: str) -> bool:
-    import fcntl
-
-    try:
-        fd = os.open(path + ".lock", os.O_RDONLY)
-    except FileNotFoundError:
-        return os.path.exists(path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ def test_ctrl_c_message_and_a_program_handler_is_kept():
             sys.executable,
             "-c",
             "import os, signal\n"
+            # SIGHUP as a login shell leaves it (under nohup it arrives ignored, and stays so: below)
+            "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
             "signal.signal(signal.SIGTERM, lambda s, f: print('own'))\n"
             "from speculators_compat.signals import handle_termination\n"
             "print(handle_termination())\n"  # SIGHUP only
@@ -55,3 +57,23 @@ def test_ctrl_c_message_and_a_program_handler_is_kept():
         timeout=60,
     )
     assert r.returncode == 0 and r.stdout.split() == ["True", "own"], (r.stdout, r.stderr)
+
+
+def test_an_ignored_hangup_stays_ignored():
+    """Under nohup SIGHUP arrives ignored: the library keeps that (and installs SIGTERM's handler)."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import signal\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+            "from speculators_compat.signals import handle_termination\n"
+            "print(handle_termination(), signal.getsignal(signal.SIGHUP) is signal.SIG_IGN,"
+            " signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN))\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True", "True"], (r.stdout, r.stderr)
