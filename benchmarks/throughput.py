@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def _timed(fn) -> float:
@@ -51,19 +52,16 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def _safetensors_header(path: str) -> dict:
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n))
+def _hidden_size(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg.get("text_config", cfg)["hidden_size"]
 
 
 def _sample_bytes(path: str, lengths: list[int], itemsize: int, layers: str | None) -> int:
     """Bytes of hidden states in one median-length sample (what a data file mostly holds)."""
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg = cfg.get("text_config", cfg)
     n_layers = len(layers.split(",")) if layers else 4  # upstream's default ids: 4 of them
-    return int(statistics.median(lengths)) * cfg["hidden_size"] * n_layers * itemsize
+    return int(statistics.median(lengths)) * _hidden_size(path) * n_layers * itemsize
 
 
 def _file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
@@ -191,12 +189,12 @@ def main(argv=None) -> int:
 
         return run
 
+    from speculators_compat.checkpoint import read_safetensors_header
     from speculators_compat.layers import default_layer_ids, read_num_layers
 
     layer_ids = [int(x) for x in a.layers.split(",")] if a.layers else None
     layer_ids_resolved = layer_ids or default_layer_ids(read_num_layers(path))
-    with open(os.path.join(path, "config.json")) as f:
-        hidden = json.load(f)["hidden_size"]
+    hidden = _hidden_size(path)
     dev = "cuda" if cuda else "cpu"
     with_native = not a.no_native and Version(versions.installed("vllm")).release >= (0, 18)
     tmp = tempfile.mkdtemp(prefix="sc-bench-", dir=a.out_dir)
@@ -266,7 +264,7 @@ def main(argv=None) -> int:
         def check_and_clean():  # untimed: every file's header has its prompt's shape; then delete
             want_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[a.dtype]
             for f, n in written:
-                hs = _safetensors_header(f)["hidden_states"]
+                hs = json.loads(read_safetensors_header(Path(f))[0])["hidden_states"]
                 if hs["shape"] != [n, len(native_ids), hidden] or hs["dtype"] != want_dtype:
                     raise RuntimeError(f"native: {f} holds {hs}, expected [{n}, {len(native_ids)}, {hidden}]")
             native_info["files_checked"] = native_info.get("files_checked", 0) + len(written)
