@@ -129,6 +129,8 @@ def main() -> int:
                 "mismatches": [vars(b) for b in bad[:3]],
             }
             print(name, cname, info["cases"][cname], flush=True)
+        info["self_check"] = eng.self_check_stats.as_dict() if eng.self_check else None
+        info["cases"]["self_check"] = {"ok": bool(info["self_check"]) and info["self_check"]["failed"] == 0}
         del refs
         torch.cuda.empty_cache()
         report["runs"].append(info)

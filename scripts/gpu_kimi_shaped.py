@@ -6,7 +6,7 @@ MLA q_lora 1536 / kv_lora 512 / 64 heads / qk_nope 128 / qk_rope 64 / v 128, voc
 routing with one shared expert) but few layers and experts (default 3 layers: 1 dense + 2 MoE, 16
 experts) in bf16 (no INT4 tooling on that machine). For each tensor-parallel size in --tp it runs
 the drop-in generator, compares every captured layer with HF transformers (float32, GPU 0) and with
-the first TP size's states, and measures tokens/s on a 16 x 1024-token batch.
+the first TP size's states, and measures tokens/s on a 16 x 1024-token batch (self-check on and off, alternating).
 --pipeline: the extract CLI at the largest TP size writing to local disk; a second run has one
 worker killed mid-run (must stop within 60 s, completed files intact), then resumes; the resumed
 dataset must be byte-identical to the uninterrupted one.
@@ -213,13 +213,19 @@ def main() -> int:
             results[tp] = g.generate(prompts)
             r["generate_s"] = round(time.time() - t, 3)
             g.generate(bench)
-            times = []
-            for _ in range(3):
+            times, unchecked = [], []  # the self-check on and off, alternating
+            for i in range(6):
+                g.engine.self_check = i % 2 == 0
                 t = time.perf_counter()
                 g.generate(bench)
-                times.append(time.perf_counter() - t)
+                (times if i % 2 == 0 else unchecked).append(time.perf_counter() - t)
+            g.engine.self_check = True
             r["bench_tok_s_median"] = round(16 * 1024 / statistics.median(times))
             r["bench_tok_s_spread"] = [round(16 * 1024 / max(times)), round(16 * 1024 / min(times))]
+            r["bench_tok_s_unchecked_median"] = round(16 * 1024 / statistics.median(unchecked))
+            r["self_check_cost"] = round(1 - statistics.median(unchecked) / statistics.median(times), 4)
+            r["self_check"] = g.engine.self_check_stats.as_dict()
+            r["self_check_worker_s"] = g.engine.stats()["self_check_s"]
         r["order_ok"] = all(x["input_ids"].tolist() == p for x, p in zip(results[tp], prompts))
         # routed experts on rank 0: all of them under plain TP, 1/TP of them under expert parallelism
         size, ep = tp_entry(tp)

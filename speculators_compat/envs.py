@@ -52,6 +52,14 @@ SETTINGS = {
             "keeps its slab there until dropped: `.clone()` what you keep), 0 copies every row out",
         ),
         Setting(
+            "SPECULATORS_COMPAT_SELF_CHECK",
+            "0",
+            ("1", "0"),
+            "the default of the generators' `self_check` (the drop-in's and upstream's patched class; `extract` "
+            "checks unless `--no-self-check`): 1 checks, for every request, that the token vLLM sampled is the "
+            "one its captured final-layer state implies (a `CaptureError` if not)",
+        ),
+        Setting(
             "SPECULATORS_COMPAT_PT_WRITER",
             "direct",
             ("direct", "torch"),

@@ -110,6 +110,13 @@ class VllmHiddenStatesGenerator:
     ``zero_copy`` (default: ``SPECULATORS_COMPAT_ZERO_COPY``, on): the returned tensors lie over the
     engine's /dev/shm arena, no copy; each keeps its slab there until every tensor over it is
     dropped (``.clone()`` what you keep for long). False copies every row out.
+
+    ``self_check`` (default: ``SPECULATORS_COMPAT_SELF_CHECK``, off; ``extract`` turns it on): for
+    every prompt, the token vLLM sampled at its last position must be the one our captured
+    final-layer state there implies (the model's final norm and lm_head, in the workers), else
+    ``generate()`` raises ``CaptureError`` naming the prompt; ``engine.self_check_stats`` counts
+    what was checked. Opt-in here because it cost 0.8-1.3% of ``generate()`` on an H200
+    (docs/benchmarks.md); ``engine.self_check = True`` turns it on for an engine already built.
     """
 
     def __init__(
@@ -130,6 +137,7 @@ class VllmHiddenStatesGenerator:
         layer_id_convention: str = "upstream",
         on_overlength: str = "truncate",
         zero_copy: bool | None = None,
+        self_check: bool | None = None,
         engine_kwargs: dict | None = None,
     ):
         if isinstance(model_path, os.PathLike):
@@ -167,6 +175,7 @@ class VllmHiddenStatesGenerator:
             enable_expert_parallel=enable_expert_parallel,
             async_scheduling=async_scheduling,
             zero_copy=zero_copy,
+            self_check=self_check,
             engine_kwargs=dict(engine_kwargs or {}),
         )
         self._engine = ExtractionEngine(opts, self.layer_ids)

@@ -16,6 +16,7 @@ def build_status(probe_engine: bool = False) -> dict:
         "vllm_tested_range": str(versions.TESTED_VLLM),
         "vllm_tested": versions.vllm_is_tested(),
         "patches": [p.report() for p in all_patches()],
+        "self_check": _self_check(),
     }
     if probe_engine:
         try:
@@ -25,6 +26,17 @@ def build_status(probe_engine: bool = False) -> dict:
         except ImportError as e:
             st["vllm_facts"] = {"error": f"vLLM not importable: {e}"}
     return st
+
+
+def _self_check() -> dict:
+    from . import envs
+    from .engine import selfcheck
+
+    try:
+        on = envs.enabled("SPECULATORS_COMPAT_SELF_CHECK")
+    except ValueError as e:
+        on = str(e)
+    return {"default_on": on, "proves": selfcheck.PROVES, "cannot": selfcheck.CANNOT}
 
 
 def format_status(st: dict) -> str:
@@ -44,6 +56,15 @@ def format_status(st: dict) -> str:
     for p in st["patches"]:
         a = {None: "?", True: "yes", False: "no"}[p["applies"]]
         lines.append(f"  {p['name']:<30} {a:<8} {'yes' if p['applied'] else 'no':<8} {p['reason']}")
+    sc = st["self_check"]
+    lines.append("")
+    lines.append(
+        "  self-check: on in `extract` (--no-self-check: off); in the generators "
+        f"{'on' if sc['default_on'] is True else 'off' if sc['default_on'] is False else sc['default_on']}"
+        " (self_check=, SPECULATORS_COMPAT_SELF_CHECK)"
+    )
+    lines.append(f"    proves: {sc['proves']}")
+    lines.append(f"    cannot see: {sc['cannot']}")
     if "vllm_facts" in st:
         lines.append("")
         lines.append("  vLLM facts (probed):")

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from . import witness
 from .arena import Arena
 from .attribution import (
     coverage_problem,
@@ -102,6 +103,7 @@ class _CaptureState:
     nonfinite: list = field(default_factory=list)  # device flags: did a step's layer hold NaN/Inf?
     regions: dict = field(default_factory=dict)  # req_id -> {layer id: (buffer, byte offset)} of its prompt
     region_row_bytes: int = 0  # the row size those regions were sized with
+    fault: Any = None  # a test's injected fault (witness.inject_fault), None in use
 
 
 def install_capture(worker, layer_ids: list[int], record_all: bool = False, handoff_prefix: str | None = None) -> dict:
@@ -137,7 +139,12 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, hand
         info["moe_local_experts"] = local
     kind = runner_kind(runner)
     info["runner_kind"] = kind
-    if not _is_capture_rank():
+    capture_rank = _is_capture_rank()
+    # the self-check runs on every rank (its logits are gathered over the TP group)
+    w = witness.install_witness(worker, model, base, capture_rank) if not record_all else "record-all contract"
+    worker._compat_witness = w
+    info["self_check"] = True if isinstance(w, witness.Witness) else w
+    if not capture_rank:
         return info
     st = _CaptureState(layer_ids=list(layer_ids), record_all=record_all, runner_kind=kind)
     mc = getattr(runner, "model_config", None)
@@ -155,6 +162,8 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, hand
     distribute = _make_distribute(st)
     for lid in sorted(set(layer_ids)):
         st.handles.append(base.layers[lid].register_forward_hook(_make_layer_hook(st, lid, distribute)))
+    if isinstance(w, witness.Witness) and w.last not in layer_ids:  # (runs after the captured layers')
+        st.handles.append(base.layers[w.last].register_forward_hook(witness.make_last_row_hook(st, w)))
     info["capturing"] = True
     info["handoff"] = "shm" if handoff_prefix else "rpc"
     return info
@@ -238,12 +247,13 @@ def _make_pre_forward(runner, st: _CaptureState):
                     "input batch no computed-token counts: rows cannot be placed"
                 )
             starts = [computed(i) for i in range(len(req_ids))]
+        req_ids = witness.faulty_layout(st, req_ids, counts, starts)
         st.layout = (req_ids, counts, starts)
         device = positions.device if isinstance(positions, torch.Tensor) else None
         if st.record_all:
             st.record_order = scheduler_order(req_ids, counts, so, device) if st.runner_kind == "v2" else None
         else:
-            st.plan = plan_rows(st, req_ids, counts, starts, device)
+            st.plan = witness.faulty_plan(st, plan_rows(st, req_ids, counts, starts, device), device)
         return None
 
     return pre_forward
@@ -260,9 +270,7 @@ def _make_distribute(st: _CaptureState):
                 layers = [(*st.rows[lid][i], n) for lid in st.layer_ids]  # where _store_rows put them
                 st.segments.setdefault(rid, []).append(_Segment(start, layers))
                 st.tokens += n
-        st.rows = {}
-        st.layout = None
-        st.plan = None
+        st.rows = {}  # (the plan stays until the next forward: the self-check's hook reads it)
 
     return distribute
 
@@ -417,6 +425,8 @@ def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int
                 torch.add(h[row : row + n], res[row : row + n], out=dst)
             else:
                 dst.copy_(h[row : row + n])
+            if st.fault == "zero":
+                dst.zero_()
             st.nonfinite.append(_nonfinite_flag(dst))
     else:
         if residual is not None:
@@ -425,6 +435,8 @@ def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int
             val = h.clone()  # update in place while the copy below is in flight
         else:
             val = h  # index_select made it
+        if st.fault == "zero":
+            val = torch.zeros_like(val)
         # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
         st.nonfinite.append(_nonfinite_flag(val))
         for b, off, row, n in runs:

@@ -47,6 +47,8 @@ class EngineOptions:
     worker_start_method: str | None = None
     #: hand captured rows to the caller as tensors over the /dev/shm arena (None: SPECULATORS_COMPAT_ZERO_COPY)
     zero_copy: bool | None = None
+    #: check every request's sampled token against its captured state (None: SPECULATORS_COMPAT_SELF_CHECK)
+    self_check: bool | None = None
     engine_kwargs: dict = field(default_factory=dict)  # passed through to EngineArgs
 
 

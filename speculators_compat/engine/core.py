@@ -34,6 +34,7 @@ from ..errors import CaptureError, StallError, TokenIdError, WorkerDiedError
 from ..host import cuda_device_count
 from .config import EngineOptions, build_vllm_config, choose_start_method
 from .handoff import ArenaReader, handoff_prefix, hold_handoff_lock
+from .selfcheck import SelfCheckStats, judge
 
 logger = logging.getLogger("speculators_compat.engine")
 
@@ -101,7 +102,7 @@ class ExtractionEngine:
         self._handoff_prefix = handoff_prefix(self._uid)
         # held until shutdown: marks this engine's /dev/shm files as in use for other engines' sweeps
         self._handoff_lock = hold_handoff_lock(self._handoff_prefix) if self._handoff_prefix else None
-        self.timings = {"drive_s": 0.0, "handoff_s": 0.0, "prep_s": 0.0, "busy_s": 0.0, "expect_s": 0.0}
+        self.timings = {"drive_s": 0.0, "handoff_s": 0.0, "prep_s": 0.0, "busy_s": 0.0, "expect_s": 0.0, "check_s": 0.0}
         self._worker_slabs = None  # the worker's arena files as of its last take (None: not known)
         self.arena_slabs = 0  # batches of lent rows the caller holds at once (set_arena_slabs)
         # Does collective_rpc(unique_reply_rank=0) hand back the value (0.12+) or a 1-list (0.11)?
@@ -121,6 +122,16 @@ class ExtractionEngine:
         self.model_info = infos[0]
         if not any(i.get("capturing") for i in infos):
             raise RuntimeError("speculators_compat: no worker rank captures hidden states")
+        # every request's sampled token against the logits of its captured state (selfcheck.py)
+        want = opts.self_check if opts.self_check is not None else envs.enabled("SPECULATORS_COMPAT_SELF_CHECK")
+        why_not = next((i["self_check"] for i in infos if i.get("self_check") is not True), None)
+        if want and why_not is not None:
+            logger.warning("speculators_compat: the self-check cannot run with this model: %s", why_not)
+        self._self_check_possible = why_not is None
+        self.self_check_stats = SelfCheckStats()
+        self._self_check = True  # (what the workers start with)
+        self.self_check = bool(want)
+        self._dtype_name = str(self.vllm_config.model_config.dtype).replace("torch.", "")
         self.vocab_size = model_vocab_size(self.vllm_config)
         if self.vocab_size is None:
             logger.warning(
@@ -133,6 +144,18 @@ class ExtractionEngine:
         )
 
     # ------------------------------------------------------------------ accessors
+    @property
+    def self_check(self) -> bool:
+        """Is every request's sampled token checked against its captured state (selfcheck.py)?"""
+        return self._self_check
+
+    @self_check.setter
+    def self_check(self, on: bool) -> None:
+        on = bool(on) and self._self_check_possible
+        if on != self._self_check:
+            self.executor.collective_rpc("compat_self_check", args=(on,))
+        self._self_check = on
+
     @property
     def executor(self):
         return self.core.model_executor
@@ -191,11 +214,12 @@ class ExtractionEngine:
                 self.core.add_request(self._make_request(rid, list(p)))
             t0 = time.perf_counter()
             self.timings["prep_s"] += t0 - t_prep
-            self._drive()
+            sampled = self._drive()
             if ahead is not None:
                 ahead.result()  # a worker that failed to take the batch (no room for it) raises here
             t1 = time.perf_counter()
-            taken = self._rpc_rank0("compat_capture_take", ids)
+            check = self.self_check
+            taken = self._rpc_rank0("compat_capture_take", ids, True, check)
             taken["states"] = self._copy_out(taken)
             self.timings["drive_s"] += t1 - t0
             self.timings["handoff_s"] += time.perf_counter() - t1
@@ -215,6 +239,15 @@ class ExtractionEngine:
         if errors:
             detail = "; ".join(f"prompt {ids.index(r)}: {m}" for r, m in list(errors.items())[:5])
             raise CaptureError(f"{len(errors)} of {len(ids)} prompts were not fully captured: {detail}")
+        if check:
+            t_check = time.perf_counter()
+            failed = judge(ids, taken["self_check"], sampled, self._dtype_name, self.self_check_stats)
+            self.timings["check_s"] += time.perf_counter() - t_check
+            if failed:
+                raise CaptureError(
+                    f"self-check: {len(failed)} of {len(ids)} prompts' states do not give the token vLLM "
+                    "sampled for them: " + "; ".join(failed[:5])
+                )
         return [taken["states"][r] for r in ids]
 
     def _copy_out(self, taken: dict) -> dict:
@@ -231,7 +264,8 @@ class ExtractionEngine:
         self._reader.forget_except(self._worker_slabs or ())
         return out
 
-    def _drive(self) -> None:
+    def _drive(self) -> dict:
+        """Step the engine until every request finished; the token sampled for each request id."""
         core = self.core
         step = core.step_fn
         sched = core.scheduler
@@ -239,14 +273,20 @@ class ExtractionEngine:
         # finished with the next batch's first step, instead of through an extra empty step here.
         has_work = sched.has_unfinished_requests
         idle = 0
+        sampled = {}
         while has_work() or (getattr(core, "batch_queue", None) or ()):
-            _, executed = step()
+            outputs, executed = step()
+            for batch in (outputs or {}).values():
+                for o in batch.outputs:
+                    if o.new_token_ids:
+                        sampled.setdefault(o.request_id, o.new_token_ids[0])
             idle = 0 if executed else idle + 1
             if idle > 200:
                 raise StallError(
                     "the scheduler stopped scheduling with requests pending (200 steps without a "
                     "forward): a prompt may not fit the KV cache; lower the batch or raise memory"
                 )
+        return sampled
 
     def _cleanup_handoff(self) -> None:
         if self._handoff_prefix:

@@ -97,6 +97,25 @@ INTERNALS = [
     ),
     ("vllm.distributed.get_tp_group / get_pp_group", "capture on TP rank 0, last PP rank only", "0.11-0.32", "low"),
     (
+        "EngineCore.step() -> ({client: EngineCoreOutputs(outputs=[EngineCoreOutput(request_id, new_token_ids)])}, "
+        "executed)",
+        "self-check: the token vLLM sampled for each request, attributed by vLLM's own request id",
+        "0.11-0.32, 0.34 overlay (the same fields in each)",
+        "low: the engine's public output record; a request with no token fails the check by name",
+    ),
+    (
+        "decoder stack .norm (final norm) and model.compute_logits(hidden_states) (lm_head + TP gather)",
+        "self-check: the logits our captured final-layer state implies, as vLLM computes them before sampling",
+        "0.11-0.32, 0.34 overlay: compute_logits(hidden_states) in every one (Llama, Qwen2, DeepSeek-V2/V3)",
+        "medium: a model without `.norm` or compute_logits runs without the check (a warning says why)",
+    ),
+    (
+        "GroupCoordinator.broadcast(tensor, src=0) of get_tp_group()",
+        "self-check at TP>1: rank 0's captured rows to every rank before the (collective) compute_logits",
+        "0.11-0.32 (same signature); run: TP=2 on 0.32 CPU",
+        "low",
+    ),
+    (
         "VLLM_WORKER_MULTIPROC_METHOD",
         "fork/spawn choice (CPU platform forces spawn at config time; we set "
         "spawn on CUDA hosts: forked workers died at start when the driver had queried CUDA without initialising it)",

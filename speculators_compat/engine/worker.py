@@ -31,7 +31,8 @@ slabs are reused, so in a loop that drops each batch's results the arena stays a
 states.
 
 Capture happens on tensor-parallel rank 0 only (after the row-parallel all-reduce every rank holds
-the full hidden state, so one copy is enough); other ranks install nothing.
+the full hidden state, so one copy is enough); other ranks take part only in the self-check
+(witness.py), whose logits are gathered over the tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 
+from . import witness
 from .arena import SHM_ALIGN
 from .capture import install_capture, take_captures
 
@@ -88,8 +90,26 @@ class CaptureExtension:
         st.expected.update(expected)
         st.t_expect += time.perf_counter() - t0
 
-    def compat_capture_take(self, req_ids: list[str], want_data: bool = True) -> dict:
-        return take_captures(self, req_ids, want_data)
+    def compat_capture_take(self, req_ids: list[str], want_data: bool = True, self_check: bool = False) -> dict:
+        """The batch's rows (see take_captures); with ``self_check``, first the logits our states
+        imply at each last position (witness.py: every rank takes part)."""
+        verdict = witness.check(self, req_ids) if self_check and want_data else None
+        witness.forget(self, req_ids)
+        taken = take_captures(self, req_ids, want_data)
+        if verdict is not None:
+            taken["self_check"] = verdict
+        return taken
+
+    def compat_self_check(self, on: bool) -> None:
+        """The driver's self-check setting: off, the final layer's hook keeps no rows."""
+        w = getattr(self, "_compat_witness", None)
+        if isinstance(w, witness.Witness):
+            w.enabled = bool(on)
+            w.rows.clear()
+
+    def compat_inject_fault(self, kind: str | None) -> None:
+        """Tests only: make the capture wrong on purpose (witness.inject_fault)."""
+        witness.inject_fault(self, kind)
 
     def compat_capture_reset(self) -> None:
         st = getattr(self, "_compat_capture", None)
@@ -99,6 +119,9 @@ class CaptureExtension:
             st.segments.clear()
             st.regions.clear()
             st.all_rows = []
+        w = getattr(self, "_compat_witness", None)
+        if isinstance(w, witness.Witness):
+            w.rows.clear()
 
     def compat_capture_stats(self) -> dict:
         st = getattr(self, "_compat_capture", None)
@@ -116,4 +139,5 @@ class CaptureExtension:
             "arena_slabs_made": st.arena._n if st.arena else 0,
             "arena_new_s": round(st.arena.t_new, 4) if st.arena else 0.0,
             "arena_want": st.arena.want if st.arena else 0,
+            "self_check_s": round(getattr(getattr(self, "_compat_witness", None), "seconds", 0.0), 4),
         }  # (each one allocated, page-locked on a GPU)

@@ -73,13 +73,15 @@ def run_extract(
     checksum: str | None = None,
     shard_size: int = 1,
     verify_existing: bool = False,
+    self_check: bool = True,
     **gen_kwargs,
 ) -> dict[str, Any]:
     """Extract ``input_path`` into ``output`` (module docstring). Everything that can be checked
     without an engine is checked before one starts: the output directory (held with a lock; another
     run's output refused), the model's files, and the whole input (every sample validated, the
     over-long ones named). ``verify_existing``: checksum every file a resume keeps, not only the
-    ones the interrupted run wrote last."""
+    ones the interrupted run wrote last. ``self_check`` (on): every request's sampled token set
+    against its captured state (engine/selfcheck.py), on the given generator too, for this run."""
     model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
@@ -113,6 +115,7 @@ def run_extract(
             writer=writer,
             shard_size=shard_size,
             verify_existing=verify_existing,
+            self_check=self_check,
             gen_kwargs=gen_kwargs,
         )
     finally:
@@ -149,6 +152,7 @@ def _run_locked(
     writer,
     shard_size,
     verify_existing,
+    self_check,
     gen_kwargs,
 ) -> dict[str, Any]:
     from ..checkpoint import check_checkpoint, fingerprint_checkpoint
@@ -224,7 +228,12 @@ def _run_locked(
         from ..generator import VllmHiddenStatesGenerator
 
         generator = VllmHiddenStatesGenerator(
-            model, layer_ids=ids_, layer_id_convention="upstream", on_overlength="error", **gen_kwargs
+            model,
+            layer_ids=ids_,
+            layer_id_convention="upstream",
+            on_overlength="error",
+            self_check=self_check,
+            **gen_kwargs,
         )
     try:
         if generator is not None:
@@ -252,6 +261,12 @@ def _run_locked(
         if set_slabs is not None:
             set_slabs(slabs)
         bar = _progress(total, progress, initial=0)
+        engine = getattr(generator, "engine", None)
+        check_stats = getattr(engine, "self_check_stats", None)
+        checked_before = check_stats.as_dict() if check_stats is not None else None
+        check_was = getattr(engine, "self_check", None)
+        if check_was is not None:
+            engine.self_check = self_check  # (a given generator's own setting comes back afterwards)
         stats = {
             "samples_seen": 0,
             "skipped_done": 0,
@@ -326,6 +341,8 @@ def _run_locked(
         finally:
             if set_slabs is not None:
                 set_slabs(0)  # later plain generate() calls hold nothing: slabs made as needed
+            if check_was is not None:
+                engine.self_check = check_was
             batches.close()
             bar.close()
             try:
@@ -382,6 +399,9 @@ def _run_locked(
             "bytes_written": writer.bytes_written,
             "write_mib_per_s": round(write_mib_s, 1),
             "write_bound": write_bound,
+            # every computed request's sampled token against its captured state (engine/selfcheck.py);
+            # None: the check was off (or the engine had none to run)
+            "self_check": check_stats.since(checked_before) if check_stats is not None and self_check else None,
         }
         if writer_mode == "process":
             summary["files_by_writer_processes"] = writer.in_processes
@@ -464,6 +484,7 @@ def main_extract(args) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_expert_parallel=args.enable_expert_parallel,
         async_scheduling=args.async_scheduling,
+        self_check=not args.no_self_check,
     )
     print("summary: " + json.dumps(summary))
     return 0

@@ -121,6 +121,12 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
         help="on resume, checksum every file already written (default: those an interrupted run "
         "wrote in its last minute, and any whose size or modification time changed)",
     )
+    p.add_argument(
+        "--no-self-check",
+        action="store_true",
+        help="skip the per-request check that the token vLLM sampled is the one its captured "
+        "final-layer state implies (default: on; docs/architecture.md#the-self-check)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
     p.add_argument("--no-progress", action="store_true")
 

@@ -26,6 +26,7 @@ def gen(llama_path):
         max_num_batched_tokens=128,
         max_num_seqs=4,
         async_scheduling="keep",
+        self_check=True,  # (opt-in in the drop-in): every call of this module is checked
     )
     yield g
     g.close()
@@ -244,3 +245,21 @@ def torch_equal(a, b):
     import torch
 
     return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fault", ["swap", "zero", "shift"])
+def test_the_self_check_reads_the_rows_handed_out(gen, llama_path, hf_ref, fault):
+    """The final layer (5) is captured here, so the self-check reads its arena rows: the ones the
+    caller gets. A fault made in the worker's capture (test_self_check.py) fails the batch."""
+    from speculators_compat.errors import CaptureError
+
+    prompts = models.random_prompts([16] * 12 if fault == "swap" else [5, 300, 37, 120, 9, 64, 8], seed=12)
+    gen.engine.executor.collective_rpc("compat_inject_fault", args=(fault,))
+    try:
+        with pytest.raises(CaptureError, match=r"self-check: \d+ of \d+ prompts"):
+            gen.generate(prompts)
+    finally:
+        gen.engine.executor.collective_rpc("compat_inject_fault", args=(None,))
+    before = gen.engine.self_check_stats.as_dict()
+    check(gen, llama_path, prompts, hf_ref)
+    assert gen.engine.self_check_stats.since(before)["checked"] == len(prompts)

@@ -270,6 +270,7 @@ def test_tensor_parallel_2(llama_path, hf_ref, monkeypatch):
         dtype="float32",
         tensor_parallel_size=2,
         max_num_batched_tokens=256,
+        self_check=True,
     ) as g:
         check(
             g,
@@ -292,6 +293,18 @@ def test_tensor_parallel_2(llama_path, hf_ref, monkeypatch):
             pass  # a vLLM that raises for them is not silent either
         with pytest.raises(ValueError, match=f"sequence 1 holds token id {models.VOCAB}, outside"):
             g.generate([good, good[:5] + [models.VOCAB] + good[5:]])
+        # the self-check at TP=2: rank 0's rows broadcast, logits gathered over both ranks
+        before = g.engine.self_check_stats.as_dict()
+        equal = models.random_prompts([30] * 6, seed=43)
+        g.generate(equal)
+        assert g.engine.self_check_stats.since(before)["checked"] == 6
+        g.engine.executor.collective_rpc("compat_inject_fault", args=("swap",))
+        try:
+            with pytest.raises(CaptureError, match="self-check: 2 of 6 prompts"):
+                g.generate(equal)
+        finally:
+            g.engine.executor.collective_rpc("compat_inject_fault", args=(None,))
+        check(g, llama_path, equal, hf_ref, layers=[1, 3, 5])
 
 
 @pytest.mark.slow

@@ -101,6 +101,41 @@ def test_resume_is_byte_identical(gen, llama_path, tmp_path, monkeypatch):
     assert read_dir(part) == read_dir(full)
 
 
+def test_a_failed_self_check_writes_nothing_of_its_batch(gen, llama_path, tmp_path, monkeypatch):
+    """The pipeline checks by default, also with a generator that does not (this module's).
+    The second batch runs with a fault in the worker's capture (two requests' rows swapped):
+    the run stops with the self-check's CaptureError before that batch reaches the writer; the
+    first batch's files are whole and recorded; a rerun completes the dataset, checked."""
+    from speculators_compat.errors import CaptureError
+
+    make_jsonl(tmp_path / "in.jsonl", lengths=[40] * 10, seed=3)
+    out = tmp_path / "out"
+    real, calls = gen.generate, []
+
+    def generate(ids):
+        calls.append(len(ids))
+        fault = "swap" if len(calls) == 2 else None
+        gen.engine.executor.collective_rpc("compat_inject_fault", args=(fault,))
+        return real(ids)
+
+    monkeypatch.setattr(gen, "generate", generate)
+    try:
+        with pytest.raises(CaptureError, match="self-check: 2 of 5 prompts"):
+            run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=5, generator=gen, progress=False)
+    finally:
+        gen.engine.executor.collective_rpc("compat_inject_fault", args=(None,))
+        monkeypatch.undo()
+    assert sorted(p.name for p in out.glob("data_*")) == [f"data_{i}.pt" for i in range(5)]
+    assert not (out / "manifest.json").exists()
+    records = [json.loads(x) for x in (out / "checksums.jsonl").read_text().splitlines()]
+    assert sorted(r["file"] for r in records) == [f"data_{i}.pt" for i in range(5)]
+    s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), batch_size=5, generator=gen, progress=False)
+    assert s["already_done"] == 5 and s["new_files"] == 5
+    assert s["self_check"] == {"checked": 5, "failed": 0, "near_ties": 0, "max_gap": 0.0}
+    assert not gen.engine.self_check  # on for the run (extract's default), the generator's own after
+    assert json.loads((out / "runs.jsonl").read_text().splitlines()[-1])["self_check"] == s["self_check"]
+
+
 def test_resume_with_a_lower_batch_size_completes_the_run(gen, llama_path, hf_ref, tmp_path):
     """A run stopped by a memory error is resumed with a lower --batch-size: the resume is taken
     (before, "holds a different run (batch_size: 8 -> 2)" and the files written were no use), it

@@ -1,0 +1,213 @@
+"""The self-check, worker side: the logits our captured states imply, for the driver to set against
+the token vLLM sampled (engine/selfcheck.py judges).
+
+vLLM samples each request's one token from the logits at its last prompt position. Every batch,
+the capturing rank takes OUR state of the final decoder layer at each request's last position (the
+arena's row when the last layer is captured, else one row kept for this check by a hook on that
+layer, placed by the same plan as every captured row), and all tensor-parallel ranks apply the
+model's own final norm and ``compute_logits`` to it (rank 0 broadcasts the rows; the logits are
+gathered over the TP group as vLLM gathers them). Rank 0 hands back the top logits of each request.
+A state that belongs to another request or position, or is zeros, implies another token.
+
+It runs inside ``compat_capture_take``, after the batch's last step and before its rows are handed
+over, on every rank (the gather is a collective: every rank must take part, so no rank skips it,
+whatever went wrong on rank 0).
+
+``inject_fault`` is a seam for tests: it makes the capture itself wrong in the worker (two
+requests' rows swapped, rows zeroed, rows shifted by one position), to show that the check fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("speculators_compat.worker")
+
+TOP_K = 8  # logits handed back per request: enough to place a near-tie and size a gap
+FAULTS = ("swap", "zero", "shift")
+
+
+@dataclass
+class Witness:
+    model: Any  # the runner's model: its compute_logits is the one vLLM calls
+    norm: Any  # the decoder stack's final norm
+    last: int  # the final decoder layer's index
+    hidden: int
+    dtype: Any
+    device: Any
+    capture: bool  # this rank holds the captured rows (TP rank 0)
+    tp: Any  # vLLM's tensor-parallel group, None at TP=1
+    rows: dict = field(default_factory=dict)  # req_id -> [hidden] kept by the last layer's hook
+    enabled: bool = True  # the driver's setting (compat_self_check): off, the hook keeps nothing
+    seconds: float = 0.0  # time in check()
+
+
+def install_witness(worker, model, base, capture: bool):
+    """A Witness for this worker, or a string saying why the check cannot run here."""
+    norm = getattr(base, "norm", None)
+    if not isinstance(norm, torch.nn.Module) or not callable(getattr(model, "compute_logits", None)):
+        return f"no final norm (`{type(base).__name__}.norm`) or compute_logits on {type(model).__name__}"
+    try:
+        from vllm.distributed import get_pp_group, get_tp_group
+    except ImportError:  # pragma: no cover - only outside vLLM
+        tp, pp_size = None, 1
+    else:
+        tp, pp_size = get_tp_group(), get_pp_group().world_size
+    if pp_size > 1:
+        return "pipeline parallelism: the final norm and lm_head live on the last stage only"
+    p = next(norm.parameters(), None)
+    if p is None:
+        p = next(model.parameters())
+    mc = getattr(worker.model_runner, "model_config", None)
+    hidden = int(mc.get_hidden_size()) if mc is not None else int(p.shape[-1])
+    dtype = mc.dtype if mc is not None else p.dtype
+    last = int(getattr(base, "end_layer", len(base.layers))) - 1
+    tp = tp if tp is not None and tp.world_size > 1 else None
+    return Witness(model, norm, last, hidden, dtype, p.device, capture, tp)
+
+
+def make_last_row_hook(st, w: Witness):
+    """A forward hook for the final layer, when it is not captured: keeps the row at each request's
+    last prompt position, chosen by this step's plan (the rows every captured layer kept)."""
+
+    def hook(module, args, output):
+        plan, layout = st.plan, st.layout
+        if plan is None or layout is None or not w.enabled:
+            return None
+        req_ids, counts, _ = layout
+        offsets, at = {}, 0  # each request's first row in the step (the plan's entries start there)
+        for rid, n in zip(req_ids, counts):
+            offsets[rid] = at
+            at += n
+        pick = [(rid, offsets[rid] + n - 1) for rid, start, n, _ in plan[1] if start + n == st.expected.get(rid)]
+        if not pick:
+            return None
+        if st.fault == "shift":  # as faulty_plan: each row one position late
+            pick = [(rid, max(r - 1, 0)) for rid, r in pick]
+        hidden = output[0] if isinstance(output, tuple) else output
+        residual = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        # views of single rows, stacked: one kernel, no index tensor to send to the device
+        h = torch.stack([hidden[r] for _, r in pick])
+        if isinstance(residual, torch.Tensor):
+            h = h + torch.stack([residual[r] for _, r in pick])
+        if st.fault == "zero":
+            h.zero_()
+        for (rid, _), row in zip(pick, h):
+            w.rows[rid] = row
+        return None
+
+    return hook
+
+
+def _state_rows(st, w: Witness, req_ids) -> tuple[torch.Tensor, list[str | None]]:
+    """[requests, hidden] on the model's device: our final-layer state at each last position."""
+    j = st.layer_ids.index(w.last) if w.last in st.layer_ids else None
+    rows, problems = [], []
+    for rid in req_ids:
+        plen = st.expected.get(rid)
+        row = None
+        if j is None:
+            row = w.rows.pop(rid, None)
+        elif plen is not None:
+            for s in st.segments.get(rid, ()):
+                b, o, n = s.layers[j]
+                if s.start + n == plen:
+                    row = st.arena.view(b, o, n, st.hidden, st.dtype)[n - 1]
+        problems.append(None if row is not None else "no captured state at its last position")
+        rows.append(row if row is not None else torch.zeros(w.hidden, dtype=w.dtype, device=w.device))
+    if j is not None:  # arena rows (host memory): stacked there, sent to the device in one copy
+        return torch.stack([r.cpu() for r in rows]).to(w.device), problems
+    return torch.stack([r.to(w.device) for r in rows]), problems
+
+
+def check(worker, req_ids: list[str]) -> dict | None:
+    """Every rank: the final norm and compute_logits on our last-position states. Rank 0 returns
+    {"ids": [[top token ids]], "logits": [[their logits]], "zero": [...], "problems": [...],
+    "seconds": s}, one entry a request in ``req_ids`` order; other ranks None."""
+    w = getattr(worker, "_compat_witness", None)
+    if not isinstance(w, Witness):
+        return None
+    t0 = time.perf_counter()
+    st = getattr(worker, "_compat_capture", None)
+    rows, problems = None, [None] * len(req_ids)
+    if w.capture and st is not None:
+        try:
+            if st.pending_event is not None:  # the last step's device->host copies
+                st.pending_event.synchronize()
+                st.pending_event = None
+            rows, problems = _state_rows(st, w, req_ids)
+        except Exception as e:  # still take part in the collective below, or the other ranks hang
+            logger.error("speculators_compat: self-check could not gather the states: %s", e)
+            problems = [f"self-check could not gather the states: {e}"] * len(req_ids)
+            rows = None
+    if rows is None:
+        rows = torch.zeros(len(req_ids), w.hidden, dtype=w.dtype, device=w.device)
+    with torch.inference_mode():
+        if w.tp is not None:
+            rows = w.tp.broadcast(rows, src=0)
+        normed = w.norm(rows)
+        if isinstance(normed, tuple):
+            normed = normed[0]
+        logits = w.model.compute_logits(normed)
+        if not w.capture or logits is None:
+            w.seconds += time.perf_counter() - t0
+            return None
+        vals, ids = logits.float().topk(min(TOP_K, logits.shape[-1]), dim=-1)
+        zero = rows.abs().amax(dim=-1) == 0
+        # one device->host copy (float64 holds every token id exactly)
+        both = torch.cat([ids.double(), vals.double(), zero.double()[:, None]], dim=1).cpu()
+        k = ids.shape[1]
+        out = {
+            "ids": both[:, :k].long().tolist(),
+            "logits": both[:, k : 2 * k].tolist(),
+            "zero": both[:, 2 * k].bool().tolist(),
+            "problems": problems,
+        }
+    w.seconds += time.perf_counter() - t0
+    out["seconds"] = w.seconds
+    return out
+
+
+def forget(worker, req_ids) -> None:
+    w = getattr(worker, "_compat_witness", None)
+    if isinstance(w, Witness):
+        for rid in req_ids:
+            w.rows.pop(rid, None)
+
+
+# ---------------------------------------------------------------------------- the test seam
+def inject_fault(worker, kind: str | None) -> None:
+    """Make the capture wrong on purpose (tests only): ``swap`` exchanges the rows of the first two
+    requests of a step that have as many rows at the same positions (coverage still holds),
+    ``zero`` writes zeros, ``shift`` stores each row one position late; None: capture as it should."""
+    if kind is not None and kind not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS} or None, not {kind!r}")
+    st = getattr(worker, "_compat_capture", None)
+    if st is not None:
+        st.fault = kind
+
+
+def faulty_layout(st, req_ids: list, counts: list, starts: list) -> list:
+    """The step's request order, with the ``swap`` fault applied."""
+    if st.fault != "swap":
+        return req_ids
+    for i in range(len(req_ids) - 1):
+        if counts[i] and counts[i] == counts[i + 1] and starts[i] == starts[i + 1]:
+            out = list(req_ids)
+            out[i], out[i + 1] = out[i + 1], out[i]
+            return out
+    return req_ids
+
+
+def faulty_plan(st, plan, device):
+    """The step's plan, with the ``shift`` fault applied: position p gets the row of p - 1."""
+    if st.fault != "shift" or plan is None:
+        return plan
+    source, kept = plan
+    idx = torch.arange(source.start, source.stop, device=device) if isinstance(source, slice) else source
+    return (idx - 1).clamp(min=0), kept
