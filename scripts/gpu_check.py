@@ -98,6 +98,7 @@ def main() -> int:
     def run(name, gen, path, layers, vocab=1024):
         refs = reference.HFReference(path, layers, device="cuda")
         eng = getattr(gen, "engine", None) or gen._compat_engine
+        eng.self_check = True  # (opt-in in the generators): every case below is checked too
         info = {
             "name": name,
             "model": os.path.basename(path),

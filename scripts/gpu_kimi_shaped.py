@@ -208,6 +208,7 @@ def main() -> int:
         with cm as g:
             r["engine_start_s"] = round(time.time() - t, 1)
             r["model_class"] = g.engine.model_info
+            g.engine.self_check = True  # (opt-in in the generators)
             g.generate(prompts)  # warm-up (MoE kernels compile on first use)
             t = time.time()
             results[tp] = g.generate(prompts)

@@ -36,7 +36,8 @@ PROVES = (
 )
 CANNOT = (
     "a wrong value in a layer other than the last when rows are placed right (all layers share the "
-    "checked row's placement), or a change too small to move the argmax"
+    "checked row's placement), a change too small to move the argmax, or two requests' rows swapped "
+    "when their next tokens are the same"
 )
 
 

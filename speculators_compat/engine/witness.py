@@ -73,7 +73,8 @@ def install_witness(worker, model, base, capture: bool):
 
 def make_last_row_hook(st, w: Witness):
     """A forward hook for the final layer, when it is not captured: keeps the row at each request's
-    last prompt position, chosen by this step's plan (the rows every captured layer kept)."""
+    last prompt position, for the requests this step's plan kept rows of, at their places in the
+    step's layout (the attribution every captured layer used)."""
 
     def hook(module, args, output):
         plan, layout = st.plan, st.layout
@@ -107,6 +108,7 @@ def make_last_row_hook(st, w: Witness):
 def _state_rows(st, w: Witness, req_ids) -> tuple[torch.Tensor, list[str | None]]:
     """[requests, hidden] on the model's device: our final-layer state at each last position."""
     j = st.layer_ids.index(w.last) if w.last in st.layer_ids else None
+    where = w.device if j is None else "cpu"  # the hook's rows are on the device, the arena's on the host
     rows, problems = [], []
     for rid in req_ids:
         plen = st.expected.get(rid)
@@ -118,11 +120,10 @@ def _state_rows(st, w: Witness, req_ids) -> tuple[torch.Tensor, list[str | None]
                 b, o, n = s.layers[j]
                 if s.start + n == plen:
                     row = st.arena.view(b, o, n, st.hidden, st.dtype)[n - 1]
+                    break
         problems.append(None if row is not None else "no captured state at its last position")
-        rows.append(row if row is not None else torch.zeros(w.hidden, dtype=w.dtype, device=w.device))
-    if j is not None:  # arena rows (host memory): stacked there, sent to the device in one copy
-        return torch.stack([r.cpu() for r in rows]).to(w.device), problems
-    return torch.stack([r.to(w.device) for r in rows]), problems
+        rows.append(row if row is not None else torch.zeros(w.hidden, dtype=w.dtype, device=where))
+    return torch.stack(rows).to(w.device), problems  # (arena rows: stacked on the host, one copy)
 
 
 def check(worker, req_ids: list[str]) -> dict | None:
