@@ -58,6 +58,9 @@ SPECULATORS_LIGHT_DEPS = [
     "tqdm",
 ]
 TEST_DEPS = ["pytest>=8", "pytest-mock", "pytest-timeout", "wrapt>=1.16", "packaging>=23", "tqdm"]
+# what one cell's tests need beyond the rest: the newest cell runs the Ray scale-out test
+# (pyproject's [ray] extra)
+CELL_DEPS = {"0.32.0": ["ray>=2.40"]}
 DROP = re.compile(r"^(torch|torchvision|torchaudio|torchcodec|triton|zentorch)\b", re.I)
 LOCAL_WHEEL_DIRS = [
     Path(p) for p in os.environ.get("SPECULATORS_COMPAT_WHEEL_DIRS", "/opt/wheels").split(os.pathsep) if p
@@ -206,7 +209,7 @@ def build(version: str, force: bool = False) -> dict:
     req_file = d / "requirements.txt"
     lines = [r for r in reqs if not re.match(r"^transformers\b", r)]
     lines += [transformers_spec(version, reqs), torch_req]
-    lines += SPECULATORS_LIGHT_DEPS + TEST_DEPS
+    lines += SPECULATORS_LIGHT_DEPS + TEST_DEPS + CELL_DEPS.get(version, [])
     req_file.write_text("\n".join(lines) + "\n")
     run([u, "pip", "install", "-q", "-p", py, "-r", str(req_file)])
     run([u, "pip", "install", "-q", "-p", py, "--no-deps", str(wheel)])

@@ -14,6 +14,7 @@ from .errors import (
     CheckpointError,
     DatasetError,
     OutputError,
+    ShardFailedError,
     StallError,
     TokenIdError,
     WorkerDiedError,
@@ -64,5 +65,6 @@ __all__ = [
     "StallError",
     "TokenIdError",
     "WorkerDiedError",
+    "ShardFailedError",
     "WriterProcessDied",
 ]

@@ -38,7 +38,7 @@ def _demo(args) -> int:
 
 
 def _extract(args) -> int:
-    from .pipeline.extract import main_extract
+    from .pipeline.command import main_extract
 
     return main_extract(args)
 
@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check an extract output's files against its manifest (sizes, checksums)")
     v.add_argument("output", help="the output directory of extract")
     v.add_argument("--json", action="store_true")
+    v.add_argument(
+        "--finalize",
+        action="store_true",
+        help="write manifest.json when every sample's file is there and intact (a sharded run whose "
+        "last rank did not write it, or a run stopped after its last file)",
+    )
     v.set_defaults(fn=_verify)
     return ap
 
@@ -116,9 +122,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"speculators-compat: error: {e}", file=sys.stderr)
             return 2
     from .engine.core import CaptureError, StallError, WorkerDiedError
-    from .errors import OutputError
+    from .errors import OutputError, ShardFailedError
 
-    expected = (FileNotFoundError, ValueError, TypeError, OutputError, CaptureError, StallError, WorkerDiedError)
+    expected = (
+        FileNotFoundError,
+        ValueError,
+        TypeError,
+        ImportError,
+        OutputError,
+        CaptureError,
+        StallError,
+        WorkerDiedError,
+        ShardFailedError,
+    )
     try:
         return int(args.fn(args) or 0)
     except expected as e:  # a clear one-line error; --verbose shows the traceback

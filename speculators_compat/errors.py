@@ -63,6 +63,15 @@ class WriterProcessDied(OutputError):
     """A writer process of the pipeline died; the files already written are complete."""
 
 
+class ShardFailedError(RuntimeError):
+    """One engine of a data-parallel or Ray run failed or died; the others were stopped. Every file
+    written is complete, and a rerun of the same command resumes. ``rank`` is the failed part."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
 __all__ = [
     "CaptureError",
     "StallError",
@@ -73,4 +82,5 @@ __all__ = [
     "DatasetError",
     "OutputError",
     "WriterProcessDied",
+    "ShardFailedError",
 ]

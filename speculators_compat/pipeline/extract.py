@@ -24,6 +24,8 @@ from .checksums import check_checksum
 from .dataset import DatasetError, Sample, open_dataset, scan_input
 from .outdir import OutputDir
 from .procwriter import ProcessWriter
+from .progress import progress_bar
+from .ranks import forget_launcher_env, partition_unit, pick_local_devices, resolve_part
 from .reading import _batches, _Prefetch
 from .shards import ShardWriter, check_shard_size
 from .writers import BackgroundWriter
@@ -74,6 +76,8 @@ def run_extract(
     shard_size: int = 1,
     verify_existing: bool = False,
     self_check: bool = True,
+    rank: int | None = None,
+    world_size: int | None = None,
     **gen_kwargs,
 ) -> dict[str, Any]:
     """Extract ``input_path`` into ``output`` (module docstring). Everything that can be checked
@@ -81,7 +85,10 @@ def run_extract(
     run's output refused), the model's files, and the whole input (every sample validated, the
     over-long ones named). ``verify_existing``: checksum every file a resume keeps, not only the
     ones the interrupted run wrote last. ``self_check`` (on): every request's sampled token set
-    against its captured state (engine/selfcheck.py), on the given generator too, for this run."""
+    against its captured state (engine/selfcheck.py), on the given generator too, for this run.
+    ``rank``/``world_size``: compute only that part of the dataset (ranks.py; None: from a
+    launcher's environment, else all of it). ``progress``: a bool (a tqdm bar or none), or a
+    callable ``(total) -> bar`` with tqdm's ``update``/``set_postfix_str``/``close``."""
     model, input_path, output = (os.fspath(p) if isinstance(p, os.PathLike) else p for p in (model, input_path, output))
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {batch_size}")
@@ -95,7 +102,13 @@ def run_extract(
         raise ValueError(f"on_overlength must be truncate, error or skip, not {on_overlength!r}")
     check_checksum(checksum)
     check_shard_size(shard_size, fmt, writer)
-    out = OutputDir(output, fmt, checksum, shard_size)
+    part = resolve_part(rank, world_size)
+    unit = partition_unit(batch_size, shard_size) if part.sharded else batch_size
+    if part.local_size:  # (several shards on this host from one launcher: each its own GPUs)
+        pick_local_devices(part, gen_kwargs.get("tensor_parallel_size") or 1)
+    if part.source.endswith("(torchrun)"):
+        forget_launcher_env()
+    out = OutputDir(output, fmt, checksum, shard_size, part, unit)
     out.lock()  # (a second run into this output is refused here, naming the first)
     try:
         return _run_locked(
@@ -193,6 +206,8 @@ def _run_locked(
     }
     if shard_size > 1:  # (only then: an output written before shards existed still resumes)
         run_info["shard_size"] = shard_size
+    if out.part.sharded:  # (likewise: absent means one engine)
+        run_info["world_size"] = out.part.world_size
     fingerprints = {"model": fingerprint_checkpoint(model), "input": scan.fingerprint}
     done = out.prepare(
         run_info,
@@ -201,7 +216,8 @@ def _run_locked(
         verify_existing=verify_existing,
         latest={"samples": total, "skipped_overlength": sorted(skip), "input_scan": scan.record()},
     )
-    to_compute = sum(1 for i in range(total) if i not in done and i not in skip)
+    owned = [i for i in range(total) if out.owns(i)]
+    to_compute = sum(1 for i in owned if i not in done and i not in skip)
     import torch  # (not before: the checks above need neither torch nor vLLM)
 
     from ..generator import token_tensor
@@ -256,11 +272,11 @@ def _run_locked(
         # made at the first batch (not one by one, mid-run, as the writers fall behind)
         slabs = max(1, queue_size) + 2
         if total is not None:
-            slabs = min(slabs, max(1, -(-(total - len(done)) // batch_size)))
+            slabs = min(slabs, max(1, -(-(len(owned) - len(done)) // batch_size)))
         set_slabs = getattr(getattr(generator, "engine", None), "set_arena_slabs", None)
         if set_slabs is not None:
             set_slabs(slabs)
-        bar = _progress(total, progress, initial=0)
+        bar = progress_bar(len(owned), progress)
         engine = getattr(generator, "engine", None)
         check_stats = getattr(engine, "self_check_stats", None)
         checked_before = check_stats.as_dict() if check_stats is not None else None
@@ -287,6 +303,8 @@ def _run_locked(
                 if batch is None:
                     break
                 n_seen += len(batch)
+                if not out.owns(batch[0].index):
+                    continue  # another rank's batch (a batch never spans two ranks' units)
                 todo = [s for s in batch if s.index not in done and s.index not in skip]
                 if not todo:
                     stats["skipped_done"] += len(batch)
@@ -354,28 +372,31 @@ def _run_locked(
         write_s = time.time() - t_compute  # from the first batch to the last file written
         write_mib_s = writer.bytes_written / 2**20 / max(write_s, 1e-9)
         write_bound = _warn_if_write_bound(writer.wait_s, write_s, write_mib_s, out.root)
-        manifest = out.finalize(
-            n_seen,
-            extra={
-                "model": run_info["model"],
-                "layer_ids": run_info["layer_ids"],
-                "num_samples": n_seen,
-                "truncated": [i for i, _ in scan.overlength] if on_overlength == "truncate" else [],
-                "skipped_overlength": sorted(skip),
-                "versions": versions.report(),
-                "hidden_size": stats.get("hidden_size"),
-            },
-        )
+        extra = {
+            "model": run_info["model"],
+            "layer_ids": run_info["layer_ids"],
+            "num_samples": n_seen,
+            "truncated": [i for i, _ in scan.overlength] if on_overlength == "truncate" else [],
+            "skipped_overlength": sorted(skip),
+            "versions": versions.report(),
+            "hidden_size": stats.get("hidden_size"),
+        }
+        if out.part.sharded:  # this rank's files; the manifest comes when every rank is done
+            mine = out.checksum_records().values()
+            files_now, bytes_now = len(mine), sum(r["bytes"] for r in mine)
+        else:
+            manifest = out.finalize(n_seen, extra=extra)
+            files_now, bytes_now = manifest["num_files"], manifest["total_bytes"]
         took = time.time() - t0
         summary = {
             "output": str(out.root),
             "samples": n_seen,
-            "files": manifest["num_files"],
+            "files": files_now,
             "new_files": stats["written_new"],
             "already_done": stats["skipped_done"],
             "computed": stats["computed"],
             "tokens_computed": stats["tokens"],
-            "bytes": manifest["total_bytes"],
+            "bytes": bytes_now,
             "seconds": round(took, 2),
             "engine_start_s": round(t_compute - t0, 2),
             "tokens_per_s": round(stats["tokens"] / max(time.time() - t_compute, 1e-9), 1),
@@ -405,7 +426,18 @@ def _run_locked(
         }
         if writer_mode == "process":
             summary["files_by_writer_processes"] = writer.in_processes
-        with open(out.root / "runs.jsonl", "a") as f:  # timings live here, not in the manifest
+        if out.part.sharded:
+            summary.update(rank=out.part.rank, world_size=out.part.world_size)
+            out.mark_done(n_seen, extra, summary)
+            summary["dataset_complete"] = (
+                out.finalize_if_complete() is not None or (out.root / "manifest.json").exists()
+            )
+            if summary["dataset_complete"]:
+                logger.info("%s: every rank is done; manifest.json written for the whole dataset", out.part.label)
+            else:
+                waiting = sorted(set(range(out.part.world_size)) - set(out.ranks_done()))
+                logger.info("%s done; the dataset waits for rank(s) %s", out.part.label, ", ".join(map(str, waiting)))
+        with open(out.records / "runs.jsonl", "a") as f:  # timings live here, not in the manifest
             f.write(json.dumps(summary) + "\n")
         return summary
     finally:
@@ -436,55 +468,3 @@ def _warn_if_write_bound(wait_s: float, write_s: float, write_mib_s: float, root
         root,
     )
     return True
-
-
-def _progress(total, enabled: bool, initial: int = 0):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is optional: a silent stand-in
-
-        class _Null:
-            def update(self, *a): ...
-            def set_postfix_str(self, *a, **k): ...
-            def close(self): ...
-
-        return _Null()
-    return tqdm(total=total, initial=initial, unit="sample", disable=not enabled, dynamic_ncols=True, desc="extract")
-
-
-def main_extract(args) -> int:
-    if args.dry_run:
-        from .plan import main_plan
-
-        return main_plan(args)
-    summary = run_extract(
-        args.model,
-        args.input,
-        args.output,
-        layer_ids=args.layer_ids,
-        batch_size=args.batch_size,
-        max_samples=args.max_samples,
-        fmt=args.format,
-        on_overlength=args.on_overlength,
-        queue_size=args.queue_size,
-        progress=not args.no_progress,
-        writer_threads=args.writer_threads,
-        writer=args.writer,
-        checksum=args.checksum,
-        shard_size=args.shard_size,
-        verify_existing=args.verify_existing,
-        layer_id_convention=args.layer_id_convention,
-        max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        trust_remote_code=args.trust_remote_code,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_expert_parallel=args.enable_expert_parallel,
-        async_scheduling=args.async_scheduling,
-        self_check=not args.no_self_check,
-    )
-    print("summary: " + json.dumps(summary))
-    return 0

@@ -127,6 +127,37 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
         help="skip the per-request check that the token vLLM sampled is the one its captured "
         "final-layer state implies (default: on; docs/architecture.md#the-self-check)",
     )
+    scale = p.add_argument_group("scaling out (docs/scaling-out.md)")
+    scale.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=None,
+        help="the dataset is extracted in this many parts (processes or hosts) into one --output "
+        "(a shared filesystem); default: torchrun's WORLD_SIZE, else Slurm's SLURM_NTASKS, else 1",
+    )
+    scale.add_argument(
+        "--rank",
+        type=_int_at_least(0),
+        default=None,
+        help="which part this process extracts, 0..world-size-1 (default: RANK, else SLURM_PROCID)",
+    )
+    scale.add_argument(
+        "--data-parallel-size",
+        type=_positive_int,
+        default=None,
+        help="engines on this host, each on its own --tensor-parallel-size GPUs (or CPU cores), as "
+        "that many parts of the run; with --ray: the number of shards (default: the cluster's GPUs "
+        "/ tensor-parallel size)",
+    )
+    scale.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run the parts as Ray actors (pip install speculators-compat[ray]); ADDRESS: the "
+        "cluster (default: the one RAY_ADDRESS names or a local one)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
     p.add_argument("--no-progress", action="store_true")
 

@@ -9,6 +9,21 @@
     OUT/runs.jsonl            each run's summary (timings)
     OUT/.lock                 held (flock) by the run writing the directory
 
+A dataset extracted in N parts (``--world-size N``, ranks.py) is one directory too: the data files
+and run.json as above (every rank checks run.json against its own settings under ``.run.lock``,
+and the first one writes it), while each rank's records are its own:
+
+    OUT/rank_{K}/checksums.jsonl   the files rank K wrote (as above)
+    OUT/rank_{K}/runs.jsonl        rank K's runs
+    OUT/rank_{K}/done.json         rank K finished its part (what the manifest needs from it)
+    OUT/rank_{K}/.lock             held (flock) by the process computing rank K
+
+Every rank holds ``OUT/.lock`` shared (so a one-engine run into the directory is refused) and its
+own ``rank_{K}/.lock`` exclusive (so two processes with the same rank are refused). A rank only
+ever removes or recomputes the files of its own samples. The rank that finishes last (all
+``done.json`` present) writes manifest.json for the whole dataset; ``verify --finalize`` does it
+too, for a dataset whose files are all there.
+
 A rerun keeps the checksum algorithm it finds unless told otherwise (the manifest then rehashes the
 earlier files, so it never mixes algorithms).
 """
@@ -19,26 +34,47 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
 from ..errors import OutputError
 from .checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum, file_digest
 from .files import DATA_FILE_RE, SHARD_FILE_RE, atomic_write, done_from_shards, file_name, shard_name
+from .ranks import Part, merged_extra
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
+RANK_DIR_RE = re.compile(r"^rank_(\d+)$")
+
 
 class OutputDir:
-    def __init__(self, root: str | Path, fmt: str = "pt", checksum: str | None = None, shard_size: int = 1):
+    def __init__(
+        self,
+        root: str | Path,
+        fmt: str = "pt",
+        checksum: str | None = None,
+        shard_size: int = 1,
+        part: Part | None = None,
+        unit: int = 1,
+    ):
         """``checksum``: see CHECKSUMS; None: the one an earlier run used here, else DEFAULT_CHECKSUM.
-        ``shard_size`` > 1: safetensors shards of that many samples (pipeline/shards.py)."""
+        ``shard_size`` > 1: safetensors shards of that many samples (pipeline/shards.py).
+        ``part``: the rank this process computes (ranks.py; default: all of it); ``unit``: the
+        samples that go to one rank together (``ranks.partition_unit``)."""
         self.root = Path(root)
         self.fmt = fmt
         self.checksum = check_checksum(checksum)
         self.shard_size = shard_size
+        self.part = part or Part()
+        self.unit = unit
+        self.records = self.part.records_dir(self.root)  # this rank's checksums.jsonl / runs.jsonl
         self.sync_s = 0.0  # finalize's write-back of the filesystem, seconds
         self._lock_fd: int | None = None
+        self._rank_fd: int | None = None
+
+    def owns(self, index: int) -> bool:
+        return self.part.owns(index, self.unit)
 
     #: run settings a resume may change (run.json keeps the first run's), and what changing them means
     RESUMABLE_CHANGES = {
@@ -56,45 +92,85 @@ class OutputDir:
 
     def lock(self) -> None:
         """Create the directory and hold ``.lock`` in it (flock) for this process's lifetime or until
-        ``unlock()``: a second extract into the same output is refused, naming the first. Also
-        proves the directory writable before anything else happens."""
+        ``unlock()``: a second extract into the same output is refused, naming the first. A rank of
+        a sharded run holds ``.lock`` shared and ``rank_{K}/.lock`` exclusive (module docstring).
+        Also proves the directory writable before anything else happens."""
         import fcntl
-        import socket
-        import time
 
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OutputError(f"cannot create output directory {self.root}: {e.strerror}") from e
-        path = self.root / ".lock"
+        if not self.part.sharded:
+            self._lock_fd = self._flock(self.root / ".lock", fcntl.LOCK_EX)
+            return
+        self._lock_fd = self._flock(self.root / ".lock", fcntl.LOCK_SH, write_holder=False)
+        try:
+            self.records.mkdir(exist_ok=True)
+            self._rank_fd = self._flock(self.records / ".lock", fcntl.LOCK_EX)
+        except BaseException:
+            self.unlock()
+            raise
+
+    def _flock(self, path: Path, mode: int, write_holder: bool = True) -> int:
+        import fcntl
+        import socket
+        import time
+
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as e:
-            raise OutputError(f"output directory {self.root} is not writable: {e.strerror}") from e
+            raise OutputError(f"output directory {path.parent} is not writable: {e.strerror}") from e
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
             os.close(fd)
+            if path.parent == self.root and not holder:
+                ranks = sorted(p.name for p in self.root.glob("rank_*") if p.is_dir())
+                holder = f"the ranks of a sharded extract ({', '.join(ranks)})" if ranks else "another process"
+            what = f"{self.part.label} of {self.root}" if path.parent != self.root else str(self.root)
             raise OutputError(
-                f"{self.root} is being written by another extract ({holder}): wait for it to "
-                "finish, or use another --output"
+                f"{what} is being written by another extract ({holder or 'another process'}): wait for "
+                "it to finish, or use another --output"
+                + (
+                    " (a one-engine run and the ranks of a sharded one cannot share a directory)"
+                    if path.parent == self.root
+                    else ""
+                )
             ) from None
-        info = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, info.encode(), 0)
-        except OSError as e:
-            os.close(fd)
-            raise OutputError(f"output directory {self.root} is not writable: {e.strerror}") from e
-        self._lock_fd = fd
+        if write_holder:
+            info = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, info.encode(), 0)
+            except OSError as e:
+                os.close(fd)
+                raise OutputError(f"output directory {path.parent} is not writable: {e.strerror}") from e
+        return fd
 
     def unlock(self) -> None:
-        if self._lock_fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._lock_fd, 0)
-            os.close(self._lock_fd)  # (closing releases the flock)
-            self._lock_fd = None
+        for name in ("_rank_fd", "_lock_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                if name == "_rank_fd" or not self.part.sharded:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, 0)
+                os.close(fd)  # (closing releases the flock)
+                setattr(self, name, None)
+
+    @contextlib.contextmanager
+    def _run_json_lock(self):
+        """``.run.lock`` held exclusively while run.json is read, compared and written (a moment):
+        the ranks of a sharded run starting together agree on one run.json."""
+        import fcntl
+
+        fd = os.open(self.root / ".run.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     # -- what this output is ------------------------------------------------------------------------
 
@@ -122,50 +198,69 @@ class OutputDir:
         if self._lock_fd is None:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
+                self.records.mkdir(exist_ok=True)
             except OSError as e:
                 raise OutputError(f"cannot create output directory {self.root}: {e.strerror}") from e
         if not os.access(self.root, os.W_OK):
             raise OutputError(f"output directory {self.root} is not writable")
         run_file = self.root / "run.json"
-        if run_file.exists():
-            try:
-                old = json.loads(run_file.read_text())
-            except ValueError as e:
-                raise OutputError(f"{run_file}: unreadable ({e}); is {self.root} an extract output?") from None
-            record = self._compare(old, run_info, fingerprints)
-        else:
-            foreign = sorted(p.name for p in self.root.iterdir() if not p.name.startswith("."))
-            if foreign:
-                raise OutputError(
-                    f"{self.root} is not empty ({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}) "
-                    "and holds no run.json, so it is no extract output: use a new or empty --output"
+        with self._run_json_lock():
+            if run_file.exists():
+                try:
+                    old = json.loads(run_file.read_text())
+                except ValueError as e:
+                    raise OutputError(f"{run_file}: unreadable ({e}); is {self.root} an extract output?") from None
+                record = self._compare(old, run_info, fingerprints)
+            else:
+                foreign = sorted(
+                    p.name
+                    for p in self.root.iterdir()
+                    if not p.name.startswith(".") and not (RANK_DIR_RE.match(p.name) and p.is_dir())
                 )
-            record = dict(run_info, **({"fingerprints": fingerprints} if fingerprints else {}))
-        record.update(latest or {})
-        atomic_write(run_file, json.dumps(record, indent=2, sort_keys=True).encode())
+                if foreign:
+                    raise OutputError(
+                        f"{self.root} is not empty ({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}) "
+                        "and holds no run.json, so it is no extract output: use a new or empty --output"
+                    )
+                record = dict(run_info, **({"fingerprints": fingerprints} if fingerprints else {}))
+            record.update(latest or {})
+            atomic_write(run_file, json.dumps(record, indent=2, sort_keys=True).encode())
         if self.checksum is None:
-            earlier = next(iter(self.checksum_records().values()), None)  # an earlier run's choice
+            earlier = next(iter(self.checksum_records(all_ranks=True).values()), None)  # an earlier run's choice
             self.checksum = next((k for k in CHECKSUMS if k in earlier), "none") if earlier else DEFAULT_CHECKSUM
         for pattern in (".data_*.partial", ".shard_*.partial"):
             for p in self.root.glob(pattern):
+                if not self._owns_file(p.name[1 : -len(".partial")]):
+                    continue  # (another rank's file in flight)
                 logger.info("removing partial file %s from an interrupted run", p.name)
                 p.unlink()
         manifest = self.root / "manifest.json"
+        marker = self.records / "done.json" if self.part.sharded else manifest
         records = self.checksum_records()
         last = max((r.get("mtime_ns", 0) for r in records.values()), default=0)
-        # a run that finished made its files durable (finalize) and then wrote the manifest: only a
-        # run that did not finish leaves recent files that a crash may have hurt
-        finished = manifest.exists() and manifest.stat().st_mtime_ns >= last
+        # a run that finished made its files durable (finalize) and then wrote the manifest (a
+        # rank: its done.json): only a run that did not finish leaves recent files a crash may hurt
+        finished = marker.exists() and marker.stat().st_mtime_ns >= last
         self.check_existing(verify_existing, recent=not finished)
         manifest.unlink(missing_ok=True)  # (this run writes it when it finishes: till then the dataset is incomplete)
+        if self.part.sharded:
+            marker.unlink(missing_ok=True)  # (this rank's part is incomplete until it finishes again)
         if self.shard_size > 1:
-            return done_from_shards(self.root, self.shard_size, total)
+            return {i for i in done_from_shards(self.root, self.shard_size, total) if self.owns(i)}
         done = set()
         for p in self.root.iterdir():
             m = DATA_FILE_RE.match(p.name)
-            if m and m.group(2) == self.fmt:
+            if m and m.group(2) == self.fmt and self.owns(int(m.group(1))):
                 done.add(int(m.group(1)))
         return done
+
+    def _owns_file(self, name: str) -> bool:
+        """Whether the data file or shard ``name`` holds this rank's samples."""
+        m = DATA_FILE_RE.match(name)
+        if m:
+            return self.owns(int(m.group(1)))
+        m = SHARD_FILE_RE.match(name)
+        return bool(m) and self.owns(int(m.group(1)) * self.shard_size)
 
     def confirm(self, engine_info: dict) -> None:
         """After the engine started: what only the engine knows (the dtype it chose for "auto") must
@@ -191,7 +286,12 @@ class OutputDir:
         diff = {k: (old.get(k), v) for k, v in run_info.items() if k in old and old.get(k) != v and k not in same_files}
         # a first run that stopped before its engine started has no dtype yet: not a difference
         diff.update({k: (None, v) for k, v in run_info.items() if k not in old and k != "dtype"})
-        for k in [k for k in diff if k in self.RESUMABLE_CHANGES]:
+        diff.pop("world_size", None)
+        if old.get("world_size", 1) != run_info.get("world_size", 1):  # (absent: one engine)
+            diff["world_size"] = (old.get("world_size", 1), run_info.get("world_size", 1))
+        # the parts of a sharded run are cut by batch: every rank must cut the same way
+        resumable = self.RESUMABLE_CHANGES if not self.part.sharded and "world_size" not in diff else {}
+        for k in [k for k in diff if k in resumable]:
             a, b = diff.pop(k)
             logger.warning(
                 "resuming %s with %s %r (the run that made it used %r): %s",
@@ -199,7 +299,7 @@ class OutputDir:
                 k,
                 b,
                 a,
-                self.RESUMABLE_CHANGES[k],
+                resumable[k],
             )
         for k in same_files:
             if old.get(k) != run_info.get(k):
@@ -223,6 +323,12 @@ class OutputDir:
                 if k in old_fp and k in fingerprints and old_fp[k] != fingerprints[k]:
                     changes += [f"{k} {run_info.get(k)}: {c}" for c in describe(old_fp[k], fingerprints[k])]
         if changes:
+            if self.part.sharded or old.get("world_size", 1) > 1:
+                raise OutputError(
+                    f"{self.part.label}: {self.root} holds a sharded run made with other settings "
+                    f"({'; '.join(changes)}); every rank must run with the same settings (the run.json "
+                    "there), else the parts would not add up to one dataset"
+                )
             raise OutputError(
                 f"{self.root} holds a different run ({'; '.join(changes)}); resuming would mix "
                 "states of two runs in one dataset: use a new --output"
@@ -250,7 +356,9 @@ class OutputDir:
         files = [
             p
             for p in self.root.iterdir()
-            if pattern.match(p.name) and (self.shard_size > 1 or DATA_FILE_RE.match(p.name).group(2) == self.fmt)
+            if pattern.match(p.name)
+            and (self.shard_size > 1 or DATA_FILE_RE.match(p.name).group(2) == self.fmt)
+            and self._owns_file(p.name)  # (a rank judges its own files only, by its own records)
         ]
         if not files:
             return []
@@ -282,23 +390,60 @@ class OutputDir:
             p.unlink()
         return [p.name for p, _ in bad]
 
-    def checksum_records(self) -> dict[int, dict]:
-        """index -> the checksums.jsonl record of each finished file (a torn line is skipped)."""
+    def checksum_records(self, all_ranks: bool = False) -> dict[int, dict]:
+        """index -> the checksums.jsonl record of each finished file (a torn line is skipped): this
+        rank's, or with ``all_ranks`` every rank's (and a one-engine run's)."""
+        dirs = [self.records]
+        if all_ranks:
+            dirs = [self.root] + sorted(
+                (p for p in self.root.iterdir() if RANK_DIR_RE.match(p.name) and p.is_dir()),
+                key=lambda p: int(p.name[5:]),
+            )
         out: dict[int, dict] = {}
-        f = self.root / "checksums.jsonl"
-        if f.exists():
-            for line in f.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a crash (finalize rehashes that file)
-                out[rec["index"]] = rec
+        for d in dirs:
+            f = d / "checksums.jsonl"
+            if f.exists():
+                for line in f.read_text().splitlines():
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a torn last line from a crash (finalize rehashes that file)
+                    out[rec["index"]] = rec
         return out
+
+    # -- a sharded run's parts ------------------------------------------------------------------------
+
+    def mark_done(self, n_samples: int, extra: dict, summary: dict) -> None:
+        """This rank finished its part: ``rank_{K}/done.json`` (after its files are durable)."""
+        sync_filesystem(self.root)
+        info = {"rank": self.part.rank, "world_size": self.part.world_size, "samples": n_samples, "extra": extra}
+        info["summary"] = summary
+        atomic_write(self.records / "done.json", json.dumps(info, indent=1, sort_keys=True).encode())
+
+    def ranks_done(self) -> dict[int, dict]:
+        """rank -> its done.json, for the ranks of this run that finished their part."""
+        out = {}
+        for r in range(self.part.world_size):
+            try:
+                out[r] = json.loads((self.root / f"rank_{r}" / "done.json").read_text())
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def finalize_if_complete(self) -> dict | None:
+        """Write the whole dataset's manifest if every rank has finished its part (the last to
+        finish does it; under ``.run.lock``, so two finishing together write it once). Returns
+        the manifest, or None while ranks are missing."""
+        with self._run_json_lock():
+            done = self.ranks_done()
+            if len(done) < self.part.world_size or (self.root / "manifest.json").exists():
+                return None
+            return self.finalize(done[0]["samples"], merged_extra(done))
 
     def finalize(self, n_samples: int, extra: dict) -> dict:
         """Write manifest.json over every complete file (rehashing any missing checksum, e.g. of
-        files an earlier run wrote with another algorithm)."""
-        sums = self.checksum_records()
+        files an earlier run wrote with another algorithm); of a sharded run, every rank's files."""
+        sums = self.checksum_records(all_ranks=True)
         files = []
         for i in range(0, n_samples, self.shard_size):
             name = file_name(i, self.fmt) if self.shard_size == 1 else shard_name(i // self.shard_size)

@@ -9,6 +9,12 @@ Then whether the dataset is complete: run.json records how many samples the run 
 output whose run has not finished (no manifest.json), or that lacks some samples' files, is
 reported INCOMPLETE with the missing indices. Exit status: 0 complete and intact, 1 a damaged or
 missing file, 3 intact but incomplete.
+
+A sharded run (``--world-size N``) is checked as one dataset: every rank's records together, every
+index present once, and for each incomplete rank which samples it still owes (and the command
+that completes it). ``--finalize`` writes the whole dataset's manifest when every sample's file
+is there and intact: for a dataset whose last rank did not get to write it (it is also the way to
+seal a one-engine output whose run stopped after its last file).
 """
 
 from __future__ import annotations
@@ -29,9 +35,12 @@ def verify_output(root: str | Path) -> dict:
     manifest = root / "manifest.json"
     if manifest.exists():
         source, records = "manifest.json", json.loads(manifest.read_text())["files"]
-    elif (root / "checksums.jsonl").exists():  # (a torn last line: that file shows up as unlisted)
-        by_index = OutputDir(root).checksum_records()
+    elif (root / "checksums.jsonl").exists() or any(root.glob("rank_*/checksums.jsonl")):
+        # (a torn last line: that file shows up as unlisted)
+        by_index = OutputDir(root).checksum_records(all_ranks=True)
         source, records = "checksums.jsonl", [by_index[i] for i in sorted(by_index)]
+    elif (root / "run.json").exists():  # (a run that stopped before its first file)
+        source, records = "run.json", []
     else:
         raise FileNotFoundError(f"{root} has neither manifest.json nor checksums.jsonl: not an extract output")
     problems = []
@@ -78,7 +87,22 @@ def _completeness(root: Path, records: list[dict], finished: bool) -> dict:
     if run.get("shard_size", 1) > 1:  # a shard lists what it holds; records count the whole range
         have = _shard_indices(root, records)
     missing = [i for i in range(expected) if i not in have and i not in skipped]
-    return {"complete": finished and not missing, "expected": expected, "missing": missing}
+    res = {"complete": finished and not missing, "expected": expected, "missing": missing}
+    world = int(run.get("world_size", 1))
+    if world > 1:
+        from .ranks import partition_unit
+
+        unit = partition_unit(int(run.get("batch_size", 1)), int(run.get("shard_size", 1)))
+        res["world_size"] = world
+        res["ranks"] = [
+            {
+                "rank": r,
+                "missing": [i for i in missing if (i // unit) % world == r],
+                "done": (root / f"rank_{r}" / "done.json").exists(),
+            }
+            for r in range(world)
+        ]
+    return res
 
 
 def _shard_indices(root: Path, records: list[dict]) -> set[int]:
@@ -107,8 +131,46 @@ def _ranges(ix: list[int]) -> str:
     return ", ".join(out[:8]) + (" ..." if len(out) > 8 else "")
 
 
+def finalize_output(root: str | Path) -> dict:
+    """Write manifest.json for the output at ``root`` if every sample's file is there and intact
+    (``verify --finalize``); returns verify_output's result after it."""
+    from .. import versions
+    from .ranks import Part, merged_extra
+
+    root = Path(root)
+    res = verify_output(root)
+    if not res["ok"] or res["missing"] or res["expected"] is None or (root / "manifest.json").exists():
+        return res
+    run = json.loads((root / "run.json").read_text())
+    world = int(run.get("world_size", 1))
+    first = next(iter(OutputDir(root).checksum_records(all_ranks=True).values()), {})
+    out = OutputDir(
+        root,
+        run.get("format", "pt"),
+        next((k for k in CHECKSUMS if k in first), "none") if first else None,
+        int(run.get("shard_size", 1)),
+        Part(0, world),
+    )
+    done = out.ranks_done() if world > 1 else {}
+    if done:
+        extra = merged_extra(done)
+    else:  # (no rank finished: the run's own record says what it read)
+        overlength = [i for i, _ in (run.get("input_scan") or {}).get("overlength", [])]
+        extra = {
+            "model": run.get("model"),
+            "layer_ids": run.get("layer_ids"),
+            "num_samples": run["samples"],
+            "truncated": overlength if run.get("on_overlength") == "truncate" else [],
+            "skipped_overlength": run.get("skipped_overlength") or [],
+            "versions": versions.report(),
+            "hidden_size": None,
+        }
+    out.finalize(run["samples"], extra)
+    return verify_output(root)
+
+
 def main_verify(args) -> int:
-    res = verify_output(args.output)
+    res = finalize_output(args.output) if getattr(args, "finalize", False) else verify_output(args.output)
     if args.json:
         print(json.dumps(res, indent=1))
     else:
@@ -117,7 +179,25 @@ def main_verify(args) -> int:
         head = "OK" if res["ok"] and res["complete"] else "FAILED" if not res["ok"] else "INCOMPLETE"
         print(f"{head}: {res['checked']} files checked against {res['source']}, {len(res['problems'])} problem(s)")
         if res["ok"] and not res["complete"]:
-            if res["missing"]:
+            if res.get("ranks"):
+                w = res["world_size"]
+                for r in res["ranks"]:
+                    if r["missing"]:
+                        print(
+                            f"INCOMPLETE: rank {r['rank']} of {w}: {len(r['missing'])} sample(s) have no file yet "
+                            f"(indices {_ranges(r['missing'])}): run extract with --rank {r['rank']} "
+                            f"--world-size {w} (the same settings) to complete it"
+                        )
+                    elif not r["done"]:
+                        print(
+                            f"INCOMPLETE: rank {r['rank']} of {w} has every file but did not finish (no "
+                            f"rank_{r['rank']}/done.json): rerun it, or seal the dataset with verify --finalize"
+                        )
+                if not res["missing"]:
+                    print(
+                        "INCOMPLETE: every sample has its file, but no manifest.json yet: verify --finalize writes it"
+                    )
+            elif res["missing"]:
                 print(
                     f"INCOMPLETE: {len(res['missing'])} of {res['expected']} samples have no file yet "
                     f"(indices {_ranges(res['missing'])}); the run has not finished: run the same extract "
@@ -126,6 +206,6 @@ def main_verify(args) -> int:
             else:
                 print(
                     "INCOMPLETE: every sample has its file, but the run has not finished (no manifest.json): "
-                    "run the same extract command again to finish it"
+                    "run the same extract command again to finish it, or verify --finalize"
                 )
     return 1 if not res["ok"] else 0 if res["complete"] else 3

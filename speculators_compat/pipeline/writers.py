@@ -23,7 +23,7 @@ class _ChecksumLog:
 
     def __init__(self, out: OutputDir):
         self.fmt, self.checksum, self.root = out.fmt, out.checksum or DEFAULT_CHECKSUM, out.root
-        self.f = open(out.root / "checksums.jsonl", "a", encoding="utf-8")
+        self.f = open(out.records / "checksums.jsonl", "a", encoding="utf-8")  # (a rank: its own)
         self.written = 0
         self.bytes = 0  # of the files this run wrote
 
