@@ -5,6 +5,7 @@
 #   bash scripts/gpu_run.sh bench OUTDIR [ARGS]    # throughput: raw vLLM, generate, pipeline, vLLM's own
 #        extractor and HF on a ~1.1B Llama-shaped model (ARGS to benchmarks/throughput.py, e.g. --batches 16)
 #   bash scripts/gpu_run.sh selfcheck OUTDIR [ARGS] # the self-check's cost (benchmarks/self_check.py ARGS)
+#   bash scripts/gpu_run.sh dp OUTDIR [ARGS]       # one engine against 2 sharing the GPU (benchmarks/data_parallel.py)
 #   bash scripts/gpu_run.sh kimi OUTDIR [ARGS]     # Kimi-K2.5-width DeepSeek-V3 model, few layers
 #        (ARGS to scripts/gpu_kimi_shaped.py, e.g. --tp 1,2, or --tp 2 --pipeline)
 set -euo pipefail
@@ -20,6 +21,8 @@ mode=${1:?correctness or bench}; out=${2:?output dir}; shift 2; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 if [ "$mode" = kimi ]; then
   python3 scripts/gpu_kimi_shaped.py "$out" "$@" 2>&1 | tee -a "$out/kimi.log" | grep -v "^INFO"
+elif [ "$mode" = dp ]; then
+  python3 benchmarks/data_parallel.py --json "$out/data_parallel.json" "$@" 2>&1 | tee "$out/data_parallel.log" | grep -v "^INFO"
 elif [ "$mode" = selfcheck ]; then
   python3 benchmarks/self_check.py --json "$out/self_check.json" "$@" 2>&1 | tee "$out/self_check.log" | grep -v "^INFO"
 elif [ "$mode" = bench ]; then

@@ -84,8 +84,8 @@ NOTES = [
     "Request patch's block hashes equal to vLLM's own hasher, upstream's worker extension in spawned "
     "workers); DeepSeek-V3 and the Kimi-K2.5 wrapper where CPU vLLM runs MLA.",
     "- Rows marked 'in CI' are the versions `.ci/run` (scripts/test.sh) tests on every run: every capture "
-    "and correctness test in each; the library's own writer, arena and signal mechanics (pytest marker "
-    "`ends`) in the oldest and newest; the slow cases (TP=2, long fault runs) in the newest.",
+    "and correctness test in each; the unit tests under torch, the library's own writer, arena and signal "
+    "mechanics (pytest marker `ends`) and the slow cases (TP=2, long fault runs, scaling out) in the newest.",
     "- DeepSeek-V3 (MLA) on vLLM's CPU backend: refused up to 0.27 ('MLA is not supported on CPU'); 0.28.0's "
     "CPU build picks a FlashAttention MLA prefill backend it cannot import (ImportError in the worker); "
     "0.29+ runs and rows are attributed right (position 0 exact), but its CPU MLA numerics differ from HF "

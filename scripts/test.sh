@@ -39,13 +39,13 @@ for v in $MATRIX; do
   fi
   PY=$(python3 scripts/engine_env.py python "$v")
   eval "$(python3 scripts/engine_env.py env "$v")"   # e.g. LD_PRELOAD where that vLLM insists on it
-  # slow cases (TP=2, long fault runs) in the newest cell only; "ends" cases (our own writers,
-  # arena and signal handling over the engine; no version-specific capture) in the oldest and
-  # newest cells only, to keep CI inside its time. Every cell runs every capture/correctness test.
-  mark="not slow and not ends"
-  [ "$v" = "${MATRIX%% *}" ] && mark="not slow"
-  [ "$v" = "${MATRIX##* }" ] && mark=""
-  "$PY" -m pytest tests -q -p no:cacheprovider -m "$mark" --timeout 1200 \
+  # Every cell runs every real-engine capture/correctness test (tests/engine). The newest cell also
+  # runs the unit tests under torch (the light cell ran the rest without it), the slow cases (TP=2,
+  # long fault runs, scaling out) and the "ends" cases (our own writers, arena and signal handling
+  # over the engine; no version-specific capture): one cell for those keeps CI inside its time.
+  mark="not slow and not ends"; where="tests/engine"
+  [ "$v" = "${MATRIX##* }" ] && mark="" && where="tests"
+  "$PY" -m pytest $where -q -p no:cacheprovider -m "$mark" --timeout 1200 \
       --junitxml="$RESULTS/junit-$v.xml" ${PYTEST_ARGS:-} || status=1
   echo "$v $(( $(date +%s) - t0 ))" >> "$RESULTS/times.txt"
   unset LD_PRELOAD

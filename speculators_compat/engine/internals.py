@@ -123,6 +123,13 @@ INTERNALS = [
         "low",
     ),
     (
+        "VLLM_CPU_OMP_THREADS_BIND ('a,b|c,d': one CPU list per TP rank)",
+        "data-parallel CPU engines on disjoint cores (pipeline/parallel.py); auto binding would put every "
+        "engine on the same cores",
+        "0.11-0.32 (same format); run: --data-parallel-size 2 on 0.32 CPU",
+        "low: a format change fails at engine start, naming the variable",
+    ),
+    (
         "EngineArgs.language_model_only (probed: facts.engine_args_language_model_only)",
         "multimodal wrappers (Kimi-K2.5) run text only: vision tower neither built nor profiled",
         "0.17-0.32 (absent in 0.11-0.16: the tower is built as for serving); run: tiny Kimi-K2.5 on 0.32 CPU, "

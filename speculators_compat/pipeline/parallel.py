@@ -30,19 +30,25 @@ logger = logging.getLogger("speculators_compat.pipeline")
 STOP_GRACE_S = 120.0
 
 
-def placements(dp: int, tp: int, devices: list[list[str]] | None = None) -> list[dict[str, str]]:
-    """The environment each of ``dp`` engines starts with (module docstring). ``devices``: the GPU
-    ids per engine instead of the even split (e.g. two engines sharing one GPU, each with part of
-    its memory: ``[["0"], ["0"]]``)."""
+def placements(dp: int, tp: int, devices: list[list[str]] | None = None) -> list[tuple[dict[str, str], list[int]]]:
+    """(environment, CPUs) for each of ``dp`` engines (module docstring): GPUs by
+    CUDA_VISIBLE_DEVICES, and on every host an even share of the usable CPUs as the process's
+    affinity (its workers' and file writers' too, whose default counts follow it). ``devices``:
+    the GPU ids per engine instead of the even split (e.g. two engines sharing one GPU, each with
+    part of its memory: ``[["0"], ["0"]]``)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    share = len(cpus) // dp
+    if share < 1:
+        raise ValueError(f"{dp} engines need at least {dp} CPUs; {len(cpus)} are usable")
+    cpu_sets = [cpus[d * share : (d + 1) * share] for d in range(dp)]
     if devices is not None:
         if len(devices) != dp:
             raise ValueError(f"devices lists {len(devices)} groups for {dp} engines")
-        return [{"CUDA_VISIBLE_DEVICES": ",".join(g)} for g in devices]
+        return [({"CUDA_VISIBLE_DEVICES": ",".join(g)}, c) for g, c in zip(devices, cpu_sets)]
     visible = visible_devices()
     if visible:
-        return [{"CUDA_VISIBLE_DEVICES": ",".join(g)} for g in device_groups(visible, dp, tp)]
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    return [{"VLLM_CPU_OMP_THREADS_BIND": b} for b in cpu_groups(cpus, dp, tp)]
+        return [({"CUDA_VISIBLE_DEVICES": ",".join(g)}, c) for g, c in zip(device_groups(visible, dp, tp), cpu_sets)]
+    return [({"VLLM_CPU_OMP_THREADS_BIND": b}, c) for b, c in zip(cpu_groups(cpus, dp, tp), cpu_sets)]
 
 
 class _QueueBar:
@@ -61,12 +67,13 @@ class _QueueBar:
     def close(self) -> None: ...
 
 
-def _engine_main(d: int, rank: int, world: int, env: dict[str, str], kwargs: dict[str, Any], q) -> None:
+def _engine_main(
+    d: int, rank: int, world: int, env: dict[str, str], cpus: list[int], kwargs: dict[str, Any], q
+) -> None:
     """One data-parallel engine (a spawned process): its devices, then run_extract for its rank."""
     os.environ.update(env)
-    bind = env.get("VLLM_CPU_OMP_THREADS_BIND")
-    if bind and hasattr(os, "sched_setaffinity"):  # (the driver's threads on the engine's cores too)
-        os.sched_setaffinity(0, {int(c) for g in bind.split("|") for c in g.split(",")})
+    if hasattr(os, "sched_setaffinity"):  # (before vLLM starts its workers: they inherit it)
+        os.sched_setaffinity(0, set(cpus))
     from ..signals import handle_termination
 
     handle_termination()
@@ -107,22 +114,29 @@ def run_data_parallel(
     if node.source.endswith("(torchrun)"):
         forget_launcher_env()
     tp = extract_kwargs.get("tensor_parallel_size") or 1
-    envs = placements(dp, tp, devices)
+    places = placements(dp, tp, devices)
     parts = [node.sub(d, dp) for d in range(dp)]
     kwargs = dict(extract_kwargs, model=model, input_path=input_path, output=output)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = []
     t0 = time.time()
-    for d, (part, env) in enumerate(zip(parts, envs)):
+    for d, (part, (env, cpus)) in enumerate(zip(parts, places)):
         p = ctx.Process(
             target=_engine_main,
-            args=(d, part.rank, part.world_size, env, kwargs, q),
+            args=(d, part.rank, part.world_size, env, cpus, kwargs, q),
             name=f"speculators-compat-engine-{d}",
         )
         p.start()
         procs.append(p)
-        logger.info("engine %d (pid %d): %s, %s", d, p.pid, part.label, ", ".join(f"{k}={v}" for k, v in env.items()))
+        logger.info(
+            "engine %d (pid %d): %s, %s, CPUs %s",
+            d,
+            p.pid,
+            part.label,
+            ", ".join(f"{k}={v}" for k, v in env.items()),
+            _ranges(cpus),
+        )
     from .progress import progress_bar
 
     bar, totals, summaries, early = None, {}, {}, 0
@@ -159,7 +173,7 @@ def run_data_parallel(
         _stop(procs)
         d, why = failure
         raise ShardFailedError(
-            f"data-parallel engine {d} of {dp} ({parts[d].label}; {', '.join(f'{k}={v}' for k, v in envs[d].items())}) "
+            f"data-parallel engine {d} of {dp} ({parts[d].label}; {', '.join(f'{k}={v}' for k, v in places[d][0].items())}) "
             f"failed: {why}. The other engines were stopped; every file written is complete: run the "
             "same command again to resume",
             rank=parts[d].rank,
@@ -197,6 +211,14 @@ def _stop(procs) -> None:
             logger.warning("engine process %d did not stop within %.0f s: killing it", p.pid, STOP_GRACE_S)
             p.kill()
             p.join()
+
+
+def _ranges(cpus: list[int]) -> str:
+    return (
+        f"{cpus[0]}-{cpus[-1]}"
+        if len(cpus) > 1 and cpus == list(range(cpus[0], cpus[-1] + 1))
+        else ",".join(map(str, cpus))
+    )
 
 
 def merge_summaries(summaries: list[dict], output: str, wall_s: float) -> dict[str, Any]:

@@ -51,6 +51,8 @@ class Plan:
     # batch: the dataset's when read, else batch_size prompts at max_model_len - 1 tokens
     handoff_batch_tokens: int | None = None
     handoff_bytes: int | None = None
+    # the run split into this many parts (--world-size x --data-parallel-size): each part's share
+    parts: int = 1
 
 
 def _text_cfg(cfg: dict) -> dict:
@@ -152,6 +154,7 @@ def make_plan(
     batch_size: int | None = None,
     queue_size: int = 2,
     max_batch_tokens: int | None = None,
+    parts: int = 1,
 ) -> Plan:
     from ..layers import default_layer_ids, normalize_layer_ids
 
@@ -249,6 +252,7 @@ def make_plan(
         batch_size=batch_size,
         handoff_batch_tokens=handoff_tokens,
         handoff_bytes=handoff,
+        parts=parts,
     )
 
 
@@ -294,6 +298,17 @@ def format_plan(p: Plan) -> str:
             f"  dataset: {d['samples'] or '?'} samples, {d['tokens']:,} tokens -> hidden states "
             f"{gib(d['hidden_state_bytes'])}; disk needed {gib(d['disk_bytes'])}"
         )
+    if p.parts > 1:
+        share = (
+            f"~{-(-d['samples'] // p.parts):,} samples, {gib(d['disk_bytes'] // p.parts)} of output"
+            if (d := p.dataset) and d.get("samples")
+            else f"1/{p.parts} of the samples and of the output"
+        )
+        lines.append(
+            f"  in {p.parts} parts (ranks): each {share} and {p.tensor_parallel_size} GPU(s); the "
+            f"output disk takes the sum of their rates ({p.disk_bytes_per_token * 1000 / 1e6:,.1f} MB/s "
+            "per 1,000 tokens/s of each part)"
+        )
     lines += [f"  note: {x}" for x in p.notes]
     return "\n".join(lines)
 
@@ -330,6 +345,7 @@ def main_plan(args) -> int:
         batch_size=getattr(args, "batch_size", None),
         queue_size=getattr(args, "queue_size", 2),
         max_batch_tokens=max_batch if getattr(args, "input", None) else None,
+        parts=(getattr(args, "world_size", None) or 1) * (getattr(args, "data_parallel_size", None) or 1),
     )
     print(json.dumps(asdict(p), indent=2) if getattr(args, "json", False) else format_plan(p))
     return 0

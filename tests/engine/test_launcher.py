@@ -17,7 +17,7 @@ import pytest
 
 from speculators_compat.testing import models, reference
 
-pytestmark = pytest.mark.ends  # (the launcher is no version-specific capture: oldest and newest cells)
+pytestmark = pytest.mark.ends  # (the launcher is no version-specific capture: the newest cell)
 
 SCRIPT = """
 from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator

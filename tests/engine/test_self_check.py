@@ -17,7 +17,7 @@ from speculators_compat import VllmHiddenStatesGenerator
 from speculators_compat.errors import CaptureError
 from speculators_compat.testing import models, reference
 
-# its own engine: in the oldest and newest cells and the overlay (scripts/test.sh); the check itself
+# its own engine: in the newest cell and the overlay (scripts/test.sh); the check itself
 # runs in every engine test of every cell (on by default), and test_dropin.py's fault test too
 pytestmark = pytest.mark.ends
 TOL = reference.TOLERANCE["float32"]
