@@ -117,7 +117,7 @@ def resolve_part(rank: int | None = None, world_size: int | None = None, environ
         raise ValueError(f"world size must be >= 1, not {part.world_size} (from {part.source})")
     if not 0 <= part.rank < part.world_size:
         raise ValueError(f"rank must be in [0, {part.world_size}), not {part.rank} (from {part.source})")
-    if part.source != "default":
+    if part.sharded:
         logger.info("extracting %s (from %s)", part.label, part.source)
     return part
 
