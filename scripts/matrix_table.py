@@ -14,7 +14,8 @@ GROUPS = [  # (column, file prefix of the test)
     ("patches", "tests.engine.test_patches_engine"),
     ("drop-in generator", "tests.engine.test_dropin"),
     ("pipeline", "tests.engine.test_pipeline"),
-    ("unit", "tests."),
+    ("scaling out", "tests.engine.test_scale_out"),
+    ("unit and other", "tests."),
 ]
 
 
