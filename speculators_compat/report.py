@@ -16,6 +16,7 @@ def build_status(probe_engine: bool = False) -> dict:
         "vllm_tested_range": str(versions.TESTED_VLLM),
         "vllm_tested": versions.vllm_is_tested(),
         "patches": [p.report() for p in all_patches()],
+        "speculators_path": speculators_path(versions.installed("speculators")),
         "self_check": _self_check(),
     }
     if probe_engine:
@@ -26,6 +27,28 @@ def build_status(probe_engine: bool = False) -> dict:
         except ImportError as e:
             st["vllm_facts"] = {"error": f"vLLM not importable: {e}"}
     return st
+
+
+def speculators_path(installed: str | None) -> str:
+    """What applies to the installed speculators release (None: not installed)."""
+    if installed is None:
+        return "not installed: the drop-in generator and `extract` need none"
+    v = versions.base_version(installed)
+    if v is None or v < versions.Version("0.3.0"):
+        return f"{installed}: not supported (speculators 0.3.0 is)"
+    if versions.SUPPORTED_SPECULATORS.contains(v, prereleases=True):
+        return f"{installed}: its VllmHiddenStatesGenerator is patched (patch speculators_generator)"
+    if v < versions.Version("0.5.0"):
+        return (
+            f"{installed}: NOT covered yet. Its own VllmHiddenStatesGenerator returned a batch of 14 "
+            "prompts in the order [0, 1, 10, 11, 12, 13, 2, ...] on vLLM 0.16 (any batch over 10 is "
+            "out of input order) and does not start on vLLM 0.32; use speculators_compat."
+            "VllmHiddenStatesGenerator or `extract` instead"
+        )
+    return (
+        f"{installed}: has no generator (it extracts through vLLM's own extract_hidden_states); "
+        "`extract` does not write its trainer's hs_{i}.safetensors format yet"
+    )
 
 
 def _self_check() -> dict:
@@ -51,6 +74,7 @@ def format_status(st: dict) -> str:
         f"  vLLM tested range {st['vllm_tested_range']}: "
         + {True: "yes", False: "NO (untested: only feature-probed patches apply)", None: "n/a"}[tested]
     )
+    lines.append(f"  speculators release: {st['speculators_path']}")
     lines.append("")
     lines.append(f"  {'patch':<30} {'applies':<8} {'applied':<8} reason")
     for p in st["patches"]:

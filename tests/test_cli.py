@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -124,3 +126,20 @@ def test_bad_cli_arguments():
         assert r.returncode == 2 and f"expected a fraction in (0, 1], not '{value}'" in r.stderr
     r = cli("plan", "--model", "/nonexistent/model")
     assert r.returncode != 0 and "config.json not found" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "installed, says",
+    [
+        (None, "not installed"),
+        ("0.2.1", "not supported"),
+        ("0.3.0", "is patched"),
+        ("0.4.0.1", "NOT covered yet"),
+        ("0.9.0", "has no generator"),
+        ("0.5.0rc1.dev3+gabc", "has no generator"),
+    ],
+)
+def test_doctor_says_what_applies_to_the_installed_speculators(installed, says):
+    from speculators_compat.report import speculators_path
+
+    assert says in speculators_path(installed)
