@@ -104,7 +104,8 @@ def run_data_parallel(
 ) -> dict[str, Any]:
     """Run ``data_parallel_size`` engines as ranks of one run (module docstring); ``rank`` /
     ``world_size``: this host among several (as for run_extract). Returns one summary for the
-    run: the engines' counts added up, and each engine's own under ``engines``."""
+    run: the engines' counts added up, their number (``engines``) and each one's own figures
+    (``per_engine``)."""
     import multiprocessing as mp
 
     dp = data_parallel_size
