@@ -2,7 +2,7 @@
 """What speculators 0.4.x's own ``VllmHiddenStatesGenerator`` returns on the installed vLLM, with or
 without this library: one batch of prompts of distinct lengths (more than 10, some split over
 scheduler steps), and for each returned row the input it belongs to (found by its ``input_ids``)
-and whether its states match HF's. Prints one JSON line.
+and whether its states match HF's; then a second call, the prompts reversed. Prints one JSON line.
 
     # speculators 0.4.0 beside an engine environment's own packages (which hold 0.3.0):
     pip install --no-deps --target /tmp/sp040 speculators==0.4.0
@@ -70,6 +70,16 @@ def main() -> None:
         round(float(r["worst"]), 4) if isinstance(r["worst"], float) else str(r["worst"])[:60] for r in rows
     ]
     out["loss_mask"] = repr(res[0].get("loss_mask"))[:40]
+    # a second call on the same engine, the prompts reversed
+    again = gen.generate(prompts[::-1])
+    back = [next((i for i, p in enumerate(prompts) if p == r["input_ids"].tolist()), None) for r in again]
+    _, bad2 = reference.compare(
+        [r["hidden_states"] for r in again], [r["input_ids"].tolist() for r in again], ref, reference.TOLERANCE[dtype]
+    )
+    out["second_call"] = {
+        "in_input_order": back == list(range(len(prompts)))[::-1],
+        "rows_matching_hf": len(again) - len({b.seq for b in bad2}),
+    }
     print("PROBE " + json.dumps(out))
 
 

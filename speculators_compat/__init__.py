@@ -1,4 +1,4 @@
-"""speculators-compat: makes speculators 0.3.0's offline hidden-state extraction correct on vLLM 0.11 -> 0.32.
+"""speculators-compat: makes speculators 0.3.0 and 0.4.x offline hidden-state extraction correct on vLLM 0.11 -> 0.32.
 
 ``import speculators_compat`` installs post-import hooks (it imports neither vLLM nor torch); each
 patch applies when its target module is imported, or at once if it already was. Workers get the same

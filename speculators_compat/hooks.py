@@ -23,6 +23,7 @@ TRIGGERS = frozenset(
         "transformers",
         "transformers.configuration_utils",
         "vllm.v1.core.kv_cache_utils",
+        "vllm.v1.attention.backends.cpu_attn",
         "vllm.v1.core.sched.scheduler",
         "speculators.data_generation.vllm_hidden_states_generator",
         "speculators.data_generation.custom_worker",

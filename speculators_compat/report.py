@@ -35,19 +35,24 @@ def speculators_path(installed: str | None) -> str:
         return "not installed: the drop-in generator and `extract` need none"
     v = versions.base_version(installed)
     if v is None or v < versions.Version("0.3.0"):
-        return f"{installed}: not supported (speculators 0.3.0 is)"
-    if versions.SUPPORTED_SPECULATORS.contains(v, prereleases=True):
-        return f"{installed}: its VllmHiddenStatesGenerator is patched (patch speculators_generator)"
+        return f"{installed}: not supported (speculators 0.3.0 and later are)"
+    from packaging.specifiers import SpecifierSet
+
+    from .patches import all_patches
+    from .patches.speculators_generator import GeneratorPatch
+
+    for p in all_patches():
+        if isinstance(p, GeneratorPatch) and SpecifierSet(p.versions).contains(v, prereleases=True):
+            return (
+                f"{installed}: its VllmHiddenStatesGenerator (and its offline script) run our engine "
+                f"loop (patch {p.name}); `extract` writes its data_{{i}}.pt"
+            )
     if v < versions.Version("0.5.0"):
-        return (
-            f"{installed}: NOT covered yet. Its own VllmHiddenStatesGenerator returned a batch of 14 "
-            "prompts in the order [0, 1, 10, 11, 12, 13, 2, ...] on vLLM 0.16 (any batch over 10 is "
-            "out of input order) and does not start on vLLM 0.32; use speculators_compat."
-            "VllmHiddenStatesGenerator or `extract` instead"
-        )
+        return f"{installed}: no patch declares this release (0.3.0 and 0.4.x have one)"
     return (
-        f"{installed}: has no generator (it extracts through vLLM's own extract_hidden_states); "
-        "`extract` does not write its trainer's hs_{i}.safetensors format yet"
+        f"{installed}: has no generator (it extracts through vLLM's own extract_hidden_states, at "
+        "0.15-0.17x raw prefill on an H200); `extract --format speculators-hs` writes the "
+        "hs_{i}.safetensors + input_ids/loss_mask dataset its trainer reads"
     )
 
 

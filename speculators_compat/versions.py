@@ -15,8 +15,6 @@ from packaging.version import InvalidVersion, Version
 
 #: vLLM releases this version of speculators-compat was tested against (the CI/sweep matrix).
 TESTED_VLLM = SpecifierSet(">=0.11.0,<0.33.0")
-#: The speculators release whose generator we fix.
-SUPPORTED_SPECULATORS = SpecifierSet("==0.3.0")
 
 # Distribution names under which each package may be installed.
 _DISTS = {

@@ -133,9 +133,11 @@ def test_bad_cli_arguments():
     [
         (None, "not installed"),
         ("0.2.1", "not supported"),
-        ("0.3.0", "is patched"),
-        ("0.4.0.1", "NOT covered yet"),
-        ("0.9.0", "has no generator"),
+        ("0.3.0", "(patch speculators_generator)"),
+        ("0.4.0.1", "(patch speculators04_generator)"),
+        ("0.4.0", "(patch speculators04_generator)"),
+        ("0.3.5", "no patch declares this release"),
+        ("0.9.0", "extract --format speculators-hs"),
         ("0.5.0rc1.dev3+gabc", "has no generator"),
     ],
 )

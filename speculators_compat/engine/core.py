@@ -345,7 +345,8 @@ class ExtractionEngine:
         st.update({k: round(v, 3) for k, v in self.timings.items()})
         return st
 
-    def shutdown(self) -> None:
+    def shutdown(self, _finalizing=sys.is_finalizing) -> None:
+        # (``sys.is_finalizing`` bound at definition: at interpreter exit module globals may be None)
         if getattr(self, "_closed", True):
             return
         self._closed = True
@@ -354,7 +355,7 @@ class ExtractionEngine:
         try:
             self.core.shutdown()
         except Exception as e:
-            if not sys.is_finalizing():  # at interpreter exit vLLM's own loggers may be gone
+            if not _finalizing():  # at interpreter exit vLLM's own loggers may be gone
                 logger.warning("engine shutdown raised: %s", e)
         self._cleanup_handoff()  # the workers are gone: remove any arena file they left
 

@@ -1,8 +1,10 @@
 """One module per upstream break. ``PATCHES`` is the registry's list, in application order."""
 
+from .speculators04_generator import Speculators04GeneratorPatch
 from .speculators_generator import SpeculatorsGeneratorPatch
 from .speculators_worker import SpeculatorsWorkerPatch
 from .transformers_compat import AttnMaskUtilsPatch, ConfigTorchPatch
+from .vllm_cpu_attention_isa import CpuAttentionIsaPatch
 from .vllm_kv_cache_names import KVCacheNamesPatch
 from .vllm_request import RequestPatch
 
@@ -11,7 +13,9 @@ PATCHES = [
     AttnMaskUtilsPatch(),
     RequestPatch(),
     KVCacheNamesPatch(),
+    CpuAttentionIsaPatch(),
     SpeculatorsGeneratorPatch(),
+    Speculators04GeneratorPatch(),
     SpeculatorsWorkerPatch(),
 ]
 

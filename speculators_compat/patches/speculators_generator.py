@@ -18,12 +18,26 @@ from __future__ import annotations
 
 import logging
 
+from .. import versions
 from ..registry import Patch
 
 logger = logging.getLogger("speculators_compat")
 
 
 def _init(self, model_path, layer_ids=None, max_model_len=2048, gpu_memory_utilization=0.8, tensor_parallel_size=1):
+    start_engine(self, model_path, layer_ids, max_model_len, gpu_memory_utilization, tensor_parallel_size)
+
+
+def start_engine(
+    self,
+    model_path,
+    layer_ids,
+    max_model_len,
+    gpu_memory_utilization,
+    tensor_parallel_size,
+    max_num_batched_tokens=None,
+):
+    """Upstream's constructor (attributes, layer validation and its messages) over our engine."""
     from transformers import AutoTokenizer
 
     from ..engine.core import ExtractionEngine
@@ -38,7 +52,9 @@ def _init(self, model_path, layer_ids=None, max_model_len=2048, gpu_memory_utili
     for layer_id in self.layer_ids:
         if layer_id < 0 or layer_id >= num_layers:
             raise ValueError(f"Layer index {layer_id} out of bounds [0, {num_layers - 1}]")
-    opts = _upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size)
+    opts = upstream_options(
+        model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size, max_num_batched_tokens
+    )
     self._compat_capture_ids = sorted(set(self.layer_ids))
     self._compat_engine = ExtractionEngine(opts, self._compat_capture_ids)
     self.vllm_config = self._compat_engine.vllm_config
@@ -46,7 +62,10 @@ def _init(self, model_path, layer_ids=None, max_model_len=2048, gpu_memory_utili
     self.scheduler = self._compat_engine.scheduler
 
 
-def _upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size):
+def upstream_options(
+    model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size, max_num_batched_tokens=None
+):
+    """Upstream's engine settings (0.4.x lets the caller set ``max_num_batched_tokens``)."""
     from ..engine.config import UPSTREAM_MAX_NUM_SEQS, UPSTREAM_MIN_BATCHED_TOKENS, EngineOptions
 
     return EngineOptions(
@@ -58,17 +77,18 @@ def _upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_
         gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size,
         max_num_seqs=UPSTREAM_MAX_NUM_SEQS,
-        max_num_batched_tokens=max(UPSTREAM_MIN_BATCHED_TOKENS, max_model_len),
+        max_num_batched_tokens=max_num_batched_tokens or max(UPSTREAM_MIN_BATCHED_TOKENS, max_model_len),
     )
 
 
 def _create_vllm_config(self, model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size):
     from ..engine.config import build_vllm_config
 
-    return build_vllm_config(_upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size))
+    return build_vllm_config(upstream_options(model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size))
 
 
-def _generate(self, token_ids):
+def generate(self, token_ids):
+    """Upstream's ``generate`` contract, rows in input order."""
     import torch
 
     if isinstance(token_ids, torch.Tensor):
@@ -97,24 +117,53 @@ def _generate(self, token_ids):
     ]
 
 
-def _del(self):
+def shutdown(self):
     eng = self.__dict__.get("_compat_engine")
     if eng is not None:
         eng.shutdown()
 
 
-_REPLACEMENTS = {"__init__": _init, "_create_vllm_config": _create_vllm_config, "generate": _generate, "__del__": _del}
+_REPLACEMENTS = {
+    "__init__": _init,
+    "_create_vllm_config": _create_vllm_config,
+    "generate": generate,
+    "__del__": shutdown,
+}
 
 
-class SpeculatorsGeneratorPatch(Patch):
-    name = "speculators_generator"
+class GeneratorPatch(Patch):
+    """Replaces methods of a speculators release's ``VllmHiddenStatesGenerator`` (``replacements``)."""
+
     module = "speculators.data_generation.vllm_hidden_states_generator"
+    package = "speculators"
+    process = "driver"
+    replacements: dict = {}
+    #: what ``needed`` reports for the release in range
+    why = ""
+
+    def needed(self, module):
+        cls = module.VllmHiddenStatesGenerator
+        missing = [m for m in self.replacements if m not in vars(cls)]
+        if missing:
+            from ..registry import PatchTargetError
+
+            raise PatchTargetError(
+                f"patch {self.name}: VllmHiddenStatesGenerator of speculators "
+                f"{versions.installed('speculators')} lacks {missing}"
+            )
+        return self.why
+
+    def _apply(self, module):
+        self.replace_methods(module.VllmHiddenStatesGenerator, self.replacements)
+
+
+class SpeculatorsGeneratorPatch(GeneratorPatch):
+    name = "speculators_generator"
+    replacements = _REPLACEMENTS
     targets = tuple(
         f"speculators.data_generation.vllm_hidden_states_generator:VllmHiddenStatesGenerator.{m}" for m in _REPLACEMENTS
     )
-    package = "speculators"
     versions = "==0.3.0"
-    process = "driver"
     risk = (
         "low on the speculators side (pinned 0.3.0); every vLLM internal it needs is reached "
         "through speculators_compat.engine (EngineArgs, EngineCore, collective_rpc)"
@@ -126,15 +175,4 @@ class SpeculatorsGeneratorPatch(Patch):
     test = (
         "tests/engine/test_baseline_upstream.py (fails without), tests/engine/test_upstream_patched.py (correct with)"
     )
-
-    def needed(self, module):
-        cls = module.VllmHiddenStatesGenerator
-        missing = [m for m in _REPLACEMENTS if m not in vars(cls)]
-        if missing:
-            from ..registry import PatchTargetError
-
-            raise PatchTargetError(f"patch {self.name}: VllmHiddenStatesGenerator lacks {missing}")
-        return "upstream's hand-driven engine loop is broken on vLLM >= 0.12 and misattributes rows"
-
-    def _apply(self, module):
-        self.replace_methods(module.VllmHiddenStatesGenerator, _REPLACEMENTS)
+    why = "upstream's hand-driven engine loop is broken on vLLM >= 0.12 and misattributes rows"

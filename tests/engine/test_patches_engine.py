@@ -232,6 +232,42 @@ def test_kv_cache_names_patch():
     assert with_["import"] == "ok" and with_["same_function"], with_
 
 
+# ---------------------------------------------------------------- vllm_cpu_attention_isa (0.16, AMX hosts)
+BF16_SNIPPET = r"""
+import speculators_compat
+from speculators_compat.testing import models
+from vllm import LLM, SamplingParams
+out = {}
+try:
+    llm = LLM(str(models.build("llama")), dtype="bfloat16", max_model_len=512, enforce_eager=True)
+    o = llm.generate([{"prompt_token_ids": list(range(5, 300))}], SamplingParams(max_tokens=2, temperature=0))
+    out["tokens"] = list(o[0].outputs[0].token_ids)
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+emit(out)
+"""
+
+
+def test_cpu_attention_isa_patch(vllm_version):
+    """vllm-cpu 0.16 on an AMX host: bf16 attention fails in the worker without the patch."""
+    from speculators_compat.patches.vllm_cpu_attention_isa import _host_has_amx
+
+    if not (vllm_version.major, vllm_version.minor) == (0, 16) or not _host_has_amx():
+        import vllm.v1.attention.backends.cpu_attn  # noqa: F401  (the patch's trigger module)
+
+        assert not _patch("vllm_cpu_attention_isa").is_applied()
+        pytest.skip("the break needs vllm-cpu 0.16 on a host with AMX tiles (this host/version lacks one)")
+    without, log = run_snippet(BF16_SNIPPET, env={"SPECULATORS_COMPAT_DISABLE": "1"})
+    assert without is not None, log
+    assert "Unsupported CPU attention configuration" in without.get("error", "") or "EngineCore" in without.get(
+        "error", ""
+    ), without
+    assert "Unsupported CPU attention configuration" in log, log[-3000:]
+    with_, log = run_snippet(BF16_SNIPPET)
+    assert with_ is not None and "error" not in with_, log[-3000:]
+    assert len(with_["tokens"]) == 2
+
+
 # ---------------------------------------------------------------- registry on the real targets
 def test_real_patches_unpatch_restores_identity_and_repatch():
     import vllm.v1.core.sched.scheduler as sched_mod
