@@ -9,7 +9,8 @@ default ids, and the two conventions.
     ``i`` decoder layers, i.e. upstream id ``i - 1``; ``i = n`` is the last layer. Id 0 (the
     embeddings) is not captured.
 
-Upstream's default ids are ``[2, n//2, n-3, n-1]`` (Kimi-K2.5, n=61: ``[2, 30, 58, 60]``), which are
+speculators >= 0.5 (``--format speculators-hs``) names ids in vLLM's convention and defaults to
+``[2, n//2, n-3, n]``. Upstream's (0.3.x/0.4.x) default ids are ``[2, n//2, n-3, n-1]`` (Kimi-K2.5, n=61: ``[2, 30, 58, 60]``), which are
 vLLM native ``[3, 31, 59, 61]``.
 """
 
@@ -54,6 +55,12 @@ def read_num_layers(model_path: str, trust_remote_code: bool = False) -> int:
 
 def default_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3, num_layers - 1]
+
+
+def native_default_layer_ids(num_layers: int) -> list[int]:
+    """speculators >= 0.5's default ids, in vLLM's (``"eagle3"``) convention: ``[2, n//2, n-3, n]``
+    (the last layer included)."""
+    return [2, num_layers // 2, num_layers - 3, num_layers]
 
 
 def normalize_layer_ids(

@@ -811,3 +811,32 @@ def test_waiting_for_writer_processes_to_start_is_not_counted_as_a_slow_disk(tmp
     bw2.close()
     assert bw2.start_wait_s == 0.0 and (tmp_path / "o2" / "data_3.pt").exists()
     arena.close()
+
+
+def test_file_names_of_each_format():
+    from speculators_compat.pipeline.files import data_file_index, file_name
+
+    assert [file_name(7, f) for f in ("pt", "safetensors", "speculators-hs")] == [
+        "data_7.pt",
+        "data_7.safetensors",
+        "hs_7.safetensors",
+    ]
+    assert data_file_index("hs_12.safetensors") == 12 and data_file_index("data_3.pt") == 3
+    assert data_file_index("hs_12.safetensors", "speculators-hs") == 12
+    assert data_file_index("hs_12.safetensors", "safetensors") is None  # (another format's file)
+    assert data_file_index("data_3.pt", "speculators-hs") is None
+    for other in ("hs_1.pt", ".hs_1.safetensors.partial", "hs_x.safetensors", "sample_lengths.json"):
+        assert data_file_index(other) is None, other
+
+
+def test_speculators_hs_refusals_before_any_engine(tmp_path):
+    from speculators_compat.pipeline.extract import run_extract
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": [5, 6, 7]}])
+    with pytest.raises(ValueError, match="on-overlength skip would leave a dataset row"):
+        run_extract("/nonexistent", str(src), str(tmp_path / "o"), fmt="speculators-hs", on_overlength="skip")
+    d = tmp_path / "prepared"
+    d.mkdir()
+    with pytest.raises(ValueError, match="is the input dataset"):
+        run_extract("/nonexistent", str(d), str(d), fmt="speculators-hs")
+    assert not (tmp_path / "o").exists()

@@ -70,7 +70,7 @@ def run_extract(
     progress: bool = True,
     generator=None,
     writer_threads: int | None = None,
-    layer_id_convention: str = "upstream",
+    layer_id_convention: str | None = None,
     writer: str = "auto",
     checksum: str | None = None,
     shard_size: int = 1,
@@ -102,6 +102,22 @@ def run_extract(
         raise ValueError(f"on_overlength must be truncate, error or skip, not {on_overlength!r}")
     check_checksum(checksum)
     check_shard_size(shard_size, fmt, writer)
+    if fmt == "speculators-hs":
+        if on_overlength == "skip":
+            raise ValueError(
+                "--format speculators-hs: --on-overlength skip would leave a dataset row with no "
+                "hs_{i}.safetensors (its trainer would try to generate it): use truncate or error"
+            )
+        if os.path.realpath(output) == os.path.realpath(input_path):
+            raise ValueError(
+                f"--format speculators-hs: --output {output} is the input dataset; extract writes its "
+                "own input_ids/loss_mask dataset into --output (beside hidden_states/), which would "
+                "replace the input's files: give another directory"
+            )
+        from .trainer_dataset import require_datasets
+
+        require_datasets()
+        output = os.path.join(output, "hidden_states")  # (its trainer's layout; the dataset goes beside)
     part = resolve_part(rank, world_size)
     unit = partition_unit(batch_size, shard_size) if part.sharded else batch_size
     if part.local_size:  # (several shards on this host from one launcher: each its own GPUs)
@@ -169,15 +185,20 @@ def _run_locked(
     gen_kwargs,
 ) -> dict[str, Any]:
     from ..checkpoint import check_checkpoint, fingerprint_checkpoint
-    from ..layers import normalize_layer_ids, read_num_layers
+    from ..layers import native_default_layer_ids, normalize_layer_ids, read_num_layers
 
     t0 = time.time()
     # -- before any engine: the model's files, the whole input, the output's record --------------
     check_checkpoint(model)
     if generator is None:
-        ids_ = normalize_layer_ids(
-            layer_ids, read_num_layers(model, bool(gen_kwargs.get("trust_remote_code"))), layer_id_convention
-        )
+        n_layers = read_num_layers(model, bool(gen_kwargs.get("trust_remote_code")))
+        # speculators >= 0.5 names layers as vLLM does (id k: the output of k layers), the last included
+        native = fmt == "speculators-hs"
+        convention = layer_id_convention or ("eagle3" if native else "upstream")
+        default_native = layer_ids is None and native
+        if default_native:  # (a model under 6 layers repeats an id there, as speculators' own default does)
+            layer_ids, convention = native_default_layer_ids(n_layers), "eagle3"
+        ids_ = normalize_layer_ids(layer_ids, n_layers, convention, allow_duplicates=default_native)
         max_len = int(gen_kwargs.get("max_model_len") or 2048) - 1
     else:
         ids_, max_len = list(generator.layer_ids), generator.engine.max_model_len - 1
@@ -381,6 +402,8 @@ def _run_locked(
             "versions": versions.report(),
             "hidden_size": stats.get("hidden_size"),
         }
+        if fmt == "speculators-hs":  # (its trainer's config names them as vLLM does)
+            extra["layer_ids_vllm"] = [i + 1 for i in ids_]
         if out.part.sharded:  # this rank's files; the manifest comes when every rank is done
             mine = out.checksum_records().values()
             files_now, bytes_now = len(mine), sum(r["bytes"] for r in mine)

@@ -5,6 +5,10 @@
                            speculators' trainer reads it)
     data_{i}.safetensors  the same as safetensors (hidden_states_0..L-1)
     shard_{k}.safetensors samples [k*N, (k+1)*N) (shards.py)
+    hs_{i}.safetensors    ``--format speculators-hs`` (speculators >= 0.5, vLLM's own layout):
+                          {"hidden_states": Tensor[T, L, H] (layers in the order asked),
+                           "token_ids": LongTensor[T]}; the loss masks go to the dataset beside it
+                          (trainer_dataset.py)
 
 Every file is written to a temp name (``.data_{i}.pt.partial``: not ``*pt``, so the trainer never
 sees it) and renamed into place: a crash leaves either no file or the whole file.
@@ -33,11 +37,24 @@ def shard_name(k: int) -> str:
     return f"shard_{k}.safetensors"
 
 
-DATA_FILE_RE = re.compile(r"^data_(\d+)\.(pt|safetensors)$")
+DATA_FILE_RE = re.compile(r"^(data|hs)_(\d+)\.(pt|safetensors)$")
+#: each format's file name: prefix and extension
+FORMATS = {"pt": ("data", "pt"), "safetensors": ("data", "safetensors"), "speculators-hs": ("hs", "safetensors")}
 
 
 def file_name(index: int, fmt: str) -> str:
-    return f"data_{index}.{fmt}"
+    prefix, ext = FORMATS[fmt]
+    return f"{prefix}_{index}.{ext}"
+
+
+def data_file_index(name: str, fmt: str | None = None) -> int | None:
+    """The sample index of data file ``name`` (of format ``fmt``, when given), else None."""
+    m = DATA_FILE_RE.match(name)
+    if m is None or (m.group(1), m.group(3)) not in FORMATS.values():
+        return None
+    if fmt is not None and (m.group(1), m.group(3)) != FORMATS[fmt]:
+        return None
+    return int(m.group(2))
 
 
 def write_sample(
@@ -63,7 +80,7 @@ def write_sample(
     if fmt != "pt" or _payload_bytes(sample) <= SMALL_SAMPLE_BYTES:
         # safetensors, or a small sample: serialise in memory, write once, hash the same bytes
         # (torch.save streaming into a file makes ~64 small writes a file)
-        data = _safetensors_bytes(sample) if fmt != "pt" else _torch_bytes(sample)
+        data = {"pt": _torch_bytes, "safetensors": _safetensors_bytes, "speculators-hs": _hs_bytes}[fmt](sample)
         atomic_write(path, data)
         return new_digest(checksum, data).hexdigest(), len(data)
     import torch
@@ -133,6 +150,15 @@ def _safetensors_bytes(sample: dict[str, Any]) -> bytes:
     tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
     tensors.update(distinct_states("hidden_states_{}", sample["hidden_states"]))
     return save(tensors)
+
+
+def _hs_bytes(sample: dict[str, Any]) -> bytes:
+    """vLLM's ``extract_hidden_states`` file: every layer's state stacked as [T, L, H], and the tokens."""
+    import torch
+    from safetensors.torch import save
+
+    states = torch.stack([h.contiguous() for h in sample["hidden_states"]], dim=1)
+    return save({"hidden_states": states, "token_ids": sample["input_ids"].to(torch.long).contiguous()})
 
 
 def distinct_states(name: str, states) -> dict[str, Any]:

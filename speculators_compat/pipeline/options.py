@@ -49,7 +49,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated decoder layer ids (default: upstream's [2, n//2, n-3, n-1])",
     )
-    p.add_argument("--layer-id-convention", choices=("upstream", "eagle3"), default="upstream")
+    p.add_argument(
+        "--layer-id-convention",
+        choices=("upstream", "eagle3"),
+        default=None,
+        help="upstream (speculators 0.3/0.4: id L = decoder layer L's output) or eagle3 (vLLM's and "
+        "speculators >= 0.5's: id k = the output of k layers); default: eagle3 with --format "
+        "speculators-hs, else upstream",
+    )
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
     p.add_argument("--max-model-len", type=_int_at_least(2), default=2048)
     p.add_argument("--dtype", default="auto")
@@ -77,10 +84,12 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-samples", type=_int_at_least(0), default=None)
     p.add_argument(
         "--format",
-        choices=("pt", "safetensors"),
+        choices=("pt", "safetensors", "speculators-hs"),
         default="pt",
-        help="pt: speculators' data_{i}.pt, one file a sample (its trainer reads these); "
-        "safetensors: data_{i}.safetensors, or shards with --shard-size",
+        help="pt: speculators 0.3/0.4's data_{i}.pt, one file a sample (their trainers read these; "
+        "with sample_lengths.json); safetensors: data_{i}.safetensors, or shards with "
+        "--shard-size; speculators-hs: speculators >= 0.5's layout, OUTPUT/hidden_states/"
+        "hs_{i}.safetensors + the input_ids/loss_mask dataset in OUTPUT (its --data-path)",
     )
     p.add_argument(
         "--shard-size",

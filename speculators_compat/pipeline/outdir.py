@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ..errors import OutputError
 from .checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum, file_digest
-from .files import DATA_FILE_RE, SHARD_FILE_RE, atomic_write, done_from_shards, file_name, shard_name
+from .files import SHARD_FILE_RE, atomic_write, data_file_index, done_from_shards, file_name, shard_name
 from .ranks import Part, merged_extra
 
 logger = logging.getLogger("speculators_compat.pipeline")
@@ -249,16 +249,16 @@ class OutputDir:
             return {i for i in done_from_shards(self.root, self.shard_size, total) if self.owns(i)}
         done = set()
         for p in self.root.iterdir():
-            m = DATA_FILE_RE.match(p.name)
-            if m and m.group(2) == self.fmt and self.owns(int(m.group(1))):
-                done.add(int(m.group(1)))
+            i = data_file_index(p.name, self.fmt)
+            if i is not None and self.owns(i):
+                done.add(i)
         return done
 
     def _owns_file(self, name: str) -> bool:
         """Whether the data file or shard ``name`` holds this rank's samples."""
-        m = DATA_FILE_RE.match(name)
-        if m:
-            return self.owns(int(m.group(1)))
+        i = data_file_index(name)
+        if i is not None:
+            return self.owns(i)
         m = SHARD_FILE_RE.match(name)
         return bool(m) and self.owns(int(m.group(1)) * self.shard_size)
 
@@ -352,12 +352,10 @@ class OutputDir:
         changed since it was written (its modification time differs) whose checksum no longer
         matches, and one written in the last RECENT_S seconds of the run before (with ``recent``:
         that run did not finish), or with ``verify_all`` any, whose checksum does not match."""
-        pattern = SHARD_FILE_RE if self.shard_size > 1 else DATA_FILE_RE
         files = [
             p
             for p in self.root.iterdir()
-            if pattern.match(p.name)
-            and (self.shard_size > 1 or DATA_FILE_RE.match(p.name).group(2) == self.fmt)
+            if (SHARD_FILE_RE.match(p.name) if self.shard_size > 1 else data_file_index(p.name, self.fmt) is not None)
             and self._owns_file(p.name)  # (a rank judges its own files only, by its own records)
         ]
         if not files:
@@ -466,12 +464,26 @@ class OutputDir:
             # byte-identical to an uninterrupted one's)
             rec = {k: v for k, v in rec.items() if (k not in CHECKSUMS or k == algo) and k != "mtime_ns"}
             files.append(rec)
+        if self.fmt == "pt" and self.shard_size == 1 and all(f.get("tokens") is not None for f in files):
+            # speculators 0.4.x's trainer batches by these lengths (without them it guesses from
+            # file sizes); its offline script writes the same file
+            lengths = {str(f["index"]): f["tokens"] for f in files}
+            atomic_write(self.root / "sample_lengths.json", json.dumps(lengths, indent=1).encode())
+        dataset = None
+        if self.fmt == "speculators-hs":  # its trainer's input_ids/loss_mask dataset, beside the states
+            from .trainer_dataset import write_dataset
+
+            run = json.loads((self.root / "run.json").read_text())
+            algo = self.checksum or DEFAULT_CHECKSUM
+            dataset = write_dataset(self.root.parent, run["input"], n_samples, run["max_model_len"], algo)
         t = time.perf_counter()
         sync_filesystem(self.root)  # the files are durable before the manifest says the dataset is complete
         self.sync_s = time.perf_counter() - t
         manifest = dict(extra)
         if self.shard_size > 1:
             manifest["shard_size"] = self.shard_size
+        if dataset is not None:
+            manifest["dataset"] = {"path": "..", **dataset}
         manifest.update(
             {
                 "format": self.fmt,

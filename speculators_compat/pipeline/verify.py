@@ -23,13 +23,23 @@ import json
 from pathlib import Path
 
 from .checksums import CHECKSUMS, file_digest
-from .files import DATA_FILE_RE, SHARD_FILE_RE
+from .files import SHARD_FILE_RE, data_file_index
 from .outdir import OutputDir
+
+
+def records_root(root: str | Path) -> Path:
+    """Where the run's records are: ``root``, or for ``--format speculators-hs`` (its records beside
+    its states) ``root/hidden_states``."""
+    root = Path(root)
+    records_in = ("manifest.json", "checksums.jsonl", "run.json")
+    if not any((root / n).exists() for n in records_in) and (root / "hidden_states" / "run.json").exists():
+        return root / "hidden_states"
+    return root
 
 
 def verify_output(root: str | Path) -> dict:
     """{"source", "checked", "problems": [str], "ok"} for the output directory ``root``."""
-    root = Path(root)
+    root = records_root(root)
     if not root.is_dir():
         raise FileNotFoundError(f"no output directory at {root}")
     manifest = root / "manifest.json"
@@ -59,8 +69,16 @@ def verify_output(root: str | Path) -> dict:
         algo = next((k for k in CHECKSUMS if k in rec), None)
         if algo is not None and file_digest(p, algo) != rec[algo]:
             problems.append(f"{name}: {algo} differs from the listed {rec[algo]} (the file changed or is corrupt)")
+    dataset = json.loads(manifest.read_text()).get("dataset") if manifest.exists() else None
+    for rec in (dataset or {}).get("files", []):  # (speculators-hs: its input_ids/loss_mask dataset)
+        p = root / dataset["path"] / rec["file"]
+        algo = next((k for k in CHECKSUMS if k in rec), None)
+        if not p.exists():
+            problems.append(f"dataset file {rec['file']}: missing")
+        elif p.stat().st_size != rec["bytes"] or (algo is not None and file_digest(p, algo) != rec[algo]):
+            problems.append(f"dataset file {rec['file']}: differs from manifest.json (changed or corrupt)")
     for p in sorted(root.iterdir()):
-        if (DATA_FILE_RE.match(p.name) or SHARD_FILE_RE.match(p.name)) and p.name not in listed:
+        if (data_file_index(p.name) is not None or SHARD_FILE_RE.match(p.name)) and p.name not in listed:
             problems.append(f"{p.name}: on disk but not listed in {source}")
     res = {"source": source, "checked": len(records), "problems": problems, "ok": not problems}
     res.update(_completeness(root, records, finished=source == "manifest.json"))
@@ -137,7 +155,7 @@ def finalize_output(root: str | Path) -> dict:
     from .. import versions
     from .ranks import Part, merged_extra
 
-    root = Path(root)
+    root = records_root(root)
     res = verify_output(root)
     if not res["ok"] or res["missing"] or res["expected"] is None or (root / "manifest.json").exists():
         return res
