@@ -14,7 +14,9 @@ Recipe (see ../shared/research/RUNTIME.md for why each step exists):
     those are CUDA builds that break a +cpu torch; text models need none of them) and minus
     0.11's `triton==3.2.0` pin (contradicts torch 2.8.0);
   * transformers 4.x where vLLM allows it (speculators 0.3.0's era), else what vLLM requires (5.x);
-  * speculators==0.3.0 with --no-deps plus its light runtime deps;
+  * speculators==0.3.0 with --no-deps plus its light runtime deps (datasets among them), and
+    speculators 0.4.0 and 0.9.0 (+ hs-connectors) each in a folder of their own
+    (<env>/speculators-releases/<version>, for PYTHONPATH);
   * a `vllm-V+cpu.dist-info` stub where the wheel carries no `vllm` distribution (before 0.16):
     vLLM detects its CPU platform from that;
   * this project, editable, plus the test tools;
@@ -56,7 +58,15 @@ SPECULATORS_LIGHT_DEPS = [
     "pyyaml",
     "safetensors",
     "tqdm",
+    "datasets>=3",  # speculators' preprocessing (its offline scripts) and 0.9.0's ArrowDataset
 ]
+# Other speculators releases, each installed beside the env's own 0.3.0 with --no-deps into
+# <env>/speculators-releases/<version> (a test puts that folder first on PYTHONPATH): 0.4.x's
+# generator and trainer data classes; the newest release's loader (ArrowDataset) and hs-connectors.
+SPECULATORS_RELEASES = {
+    "0.4.0": ["speculators==0.4.0"],
+    "0.9.0": ["speculators==0.9.0", "hs-connectors==0.9.0"],
+}
 TEST_DEPS = ["pytest>=8", "pytest-mock", "pytest-timeout", "wrapt>=1.16", "packaging>=23", "tqdm"]
 # what one cell's tests need beyond the rest: the newest cell runs the Ray scale-out test
 # (pyproject's [ray] extra)
@@ -214,6 +224,21 @@ def build(version: str, force: bool = False) -> dict:
     run([u, "pip", "install", "-q", "-p", py, "-r", str(req_file)])
     run([u, "pip", "install", "-q", "-p", py, "--no-deps", str(wheel)])
     run([u, "pip", "install", "-q", "-p", py, "--no-deps", "speculators==0.3.0"])
+    for release, pkgs in SPECULATORS_RELEASES.items():
+        run(
+            [
+                u,
+                "pip",
+                "install",
+                "-q",
+                "-p",
+                py,
+                "--no-deps",
+                "--target",
+                str(d / "speculators-releases" / release),
+                *pkgs,
+            ]
+        )
     # PyPI torchvision/torchaudio are CUDA builds; something may have pulled them in.
     subprocess.run(
         [u, "pip", "uninstall", "-q", "-p", py, "torchvision", "torchaudio", "torchcodec"],

@@ -15,6 +15,7 @@ GROUPS = [  # (column, file prefix of the test)
     ("drop-in generator", "tests.engine.test_dropin"),
     ("pipeline", "tests.engine.test_pipeline"),
     ("scaling out", "tests.engine.test_scale_out"),
+    ("speculators 0.4 / trainers", "tests.engine.test_speculators_releases"),
     ("unit and other", "tests."),
 ]
 
