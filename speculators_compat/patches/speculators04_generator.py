@@ -59,9 +59,6 @@ _REPLACEMENTS = {
 class Speculators04GeneratorPatch(GeneratorPatch):
     name = "speculators04_generator"
     replacements = _REPLACEMENTS
-    targets = tuple(
-        f"speculators.data_generation.vllm_hidden_states_generator:VllmHiddenStatesGenerator.{m}" for m in _REPLACEMENTS
-    )
     versions = ">=0.4,<0.5"
     risk = (
         "low on the speculators side (0.4.0 and 0.4.0.1 share this class); every vLLM internal it "

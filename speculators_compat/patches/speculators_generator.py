@@ -141,6 +141,10 @@ class GeneratorPatch(Patch):
     #: what ``needed`` reports for the release in range
     why = ""
 
+    def __init_subclass__(cls, **kwargs):  # (targets: the methods replaced)
+        super().__init_subclass__(**kwargs)
+        cls.targets = tuple(f"{cls.module}:VllmHiddenStatesGenerator.{m}" for m in cls.replacements)
+
     def needed(self, module):
         cls = module.VllmHiddenStatesGenerator
         missing = [m for m in self.replacements if m not in vars(cls)]
@@ -160,9 +164,6 @@ class GeneratorPatch(Patch):
 class SpeculatorsGeneratorPatch(GeneratorPatch):
     name = "speculators_generator"
     replacements = _REPLACEMENTS
-    targets = tuple(
-        f"speculators.data_generation.vllm_hidden_states_generator:VllmHiddenStatesGenerator.{m}" for m in _REPLACEMENTS
-    )
     versions = "==0.3.0"
     risk = (
         "low on the speculators side (pinned 0.3.0); every vLLM internal it needs is reached "
