@@ -24,6 +24,7 @@ TRIGGERS = frozenset(
         "transformers.configuration_utils",
         "vllm.v1.core.kv_cache_utils",
         "vllm.v1.attention.backends.cpu_attn",
+        "vllm.platforms.cpu",
         "vllm.v1.core.sched.scheduler",
         "speculators.data_generation.vllm_hidden_states_generator",
         "speculators.data_generation.custom_worker",

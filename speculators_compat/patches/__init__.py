@@ -5,6 +5,7 @@ from .speculators_generator import SpeculatorsGeneratorPatch
 from .speculators_worker import SpeculatorsWorkerPatch
 from .transformers_compat import AttnMaskUtilsPatch, ConfigTorchPatch
 from .vllm_cpu_attention_isa import CpuAttentionIsaPatch
+from .vllm_cpu_mla_backend import CpuMlaBackendPatch
 from .vllm_kv_cache_names import KVCacheNamesPatch
 from .vllm_request import RequestPatch
 
@@ -14,6 +15,7 @@ PATCHES = [
     RequestPatch(),
     KVCacheNamesPatch(),
     CpuAttentionIsaPatch(),
+    CpuMlaBackendPatch(),
     SpeculatorsGeneratorPatch(),
     Speculators04GeneratorPatch(),
     SpeculatorsWorkerPatch(),

@@ -6,7 +6,7 @@
     offline script pairs ``results[j]`` with ``loss_mask[j]`` and names the file by position, so
     every batch over 10 writes loss masks (and lengths cut from them) of other samples, silently;
   * it asks CUDA (or an NPU) for free memory at start, so it cannot start on a CPU vLLM, and from
-    vLLM 0.17 its hand-built engine stops before the first step (docs/compatibility.md has each
+    vLLM 0.17 its hand-built engine stops before the first step (docs/speculators-releases.md has each
     version's first failure, from tests/engine/test_speculators_releases.py).
 With this patch its constructor, ``_create_vllm_config``, ``generate`` and ``__del__`` run our
 engine loop and keep its contract: the same arguments (``max_num_batched_tokens`` included, default

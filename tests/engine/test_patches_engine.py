@@ -268,6 +268,41 @@ def test_cpu_attention_isa_patch(vllm_version):
     assert len(with_["tokens"]) == 2
 
 
+# ---------------------------------------------------------------- vllm_cpu_mla_backend (AMX hosts)
+MLA_SNIPPET = r"""
+import speculators_compat
+from speculators_compat.testing import models
+from speculators_compat import VllmHiddenStatesGenerator
+out = {}
+try:
+    g = VllmHiddenStatesGenerator(str(models.build("deepseek_v3")), layer_ids=[0, 3], max_model_len=512, dtype="float32")
+    out["backend"] = str(g.engine.vllm_config.attention_config.backend)
+    out["rows"] = [r["hidden_states"][0].shape[0] for r in g.generate([[5, 6, 7, 8, 9]])]
+    g.close()
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+emit(out)
+"""
+
+
+def test_cpu_mla_backend_patch(vllm_version):
+    """A float32 MLA model on an AMX host: vLLM's AMX_MLA backend cannot load it; CPU_MLA can."""
+    import vllm.platforms.cpu  # noqa: F401  (the patch's trigger module)
+
+    from speculators_compat.patches.vllm_cpu_attention_isa import _host_has_amx
+
+    p = _patch("vllm_cpu_mla_backend")
+    if not p.is_applied():
+        assert not _host_has_amx() or vllm_version < Version("0.32"), p.state.reason
+        pytest.skip(f"vllm_cpu_mla_backend does not apply here: {p.state.reason}")
+    without, log = run_snippet(MLA_SNIPPET, env={"SPECULATORS_COMPAT_DISABLE": "1"})
+    assert without is not None and "error" in without, log[-3000:]
+    assert "expect weight to be bfloat16" in log, log[-3000:]
+    with_, log = run_snippet(MLA_SNIPPET)
+    assert with_ is not None and "error" not in with_, log[-3000:]
+    assert with_["backend"].endswith("CPU_MLA") and with_["rows"] == [5], with_
+
+
 # ---------------------------------------------------------------- registry on the real targets
 def test_real_patches_unpatch_restores_identity_and_repatch():
     import vllm.v1.core.sched.scheduler as sched_mod

@@ -243,25 +243,40 @@ def test_offline_script_patched_then_trainer(rel, script_dataset, llama_path, hf
         assert train["approx_lengths"] == [len(prompts[int(p.stem[5:])]) for p in sorted(tmp_path.glob("data_*.pt"))]
 
 
-@tf4_only
-@one_cell_04
-def test_04_trainer_on_extract_output(llama_path, tmp_path):
-    """0.4.0's trainer over ``extract`` output: our sample_lengths.json gives it the exact lengths."""
+@pytest.fixture(scope="module")
+def extract_output(tmp_path_factory, llama_path):
+    """``extract`` (default ``--format pt``) over 6 samples with partial loss masks."""
     from speculators_compat.pipeline.extract import run_extract
 
+    d = tmp_path_factory.mktemp("extract-pt")
     prompts = models.random_prompts([7, 90, 33, 250, 12, 64], seed=5)
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"input_ids": p, "loss_mask": [1] * len(p)}) + "\n" for p in prompts))
-    out = tmp_path / "out"
-    run_extract(llama_path, str(src), str(out), layer_ids=LAYERS, progress=False, max_model_len=512)
+    masks = [[0] * (len(p) // 2) + [1] * (len(p) - len(p) // 2) for p in prompts]
+    src = d / "in.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": p, "loss_mask": m}) + "\n" for p, m in zip(prompts, masks)))
+    run_extract(llama_path, str(src), str(d / "out"), layer_ids=LAYERS, progress=False, max_model_len=512)
+    return d / "out", prompts, masks
+
+
+@tf4_only
+@one_cell_04
+@pytest.mark.parametrize("rel", ["0.3.0", "0.4.0"])
+def test_trainer_on_extract_output(rel, extract_output, llama_path):
+    """The release's trainer data path and training step over ``extract`` output; 0.4.0 batches by
+    the exact lengths our sample_lengths.json gives it."""
+    out, prompts, masks = extract_output
     assert json.loads((out / "sample_lengths.json").read_text()) == {str(i): len(p) for i, p in enumerate(prompts)}
+    r = None if rel == "0.3.0" else release(rel)
     train, log = run_py(
-        CLIENTS / "train_steps.py", ["--data", str(out), "--verifier", llama_path], "TRAIN", release("0.4.0"), TRAIN_ENV
+        CLIENTS / "train_steps.py", ["--data", str(out), "--verifier", llama_path], "TRAIN", r, TRAIN_ENV
     )
     assert train is not None, log
-    print(f"speculators 0.4.0 trainer over extract output: {train}")
-    assert train["speculators"] == "0.4.0" and train["unavailable"] == 0 and train["finite"], train
-    assert sorted(train["approx_lengths"]) == sorted(map(len, prompts))
+    print(f"speculators {rel} trainer over extract output: {train}")
+    assert train["speculators"] == rel and train["samples"] == len(prompts) and train["unavailable"] == 0, train
+    assert train["finite"] and train["losses"][-1] < train["losses"][0], train
+    order = [int(p.stem[5:]) for p in sorted(out.glob("data_*.pt"))]  # (its file list, string-sorted)
+    assert train["loss_mask_sums"] == [sum(masks[i]) for i in order], train
+    if rel != "0.3.0":
+        assert train["approx_lengths"] == [len(prompts[i]) for i in order], train
 
 
 # -- speculators >= 0.5: extract --format speculators-hs, read by 0.9.0's own loader and trainer ---------
