@@ -14,6 +14,13 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def has_amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (Sapphire Rapids and later Xeons), as torch detects them."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def cuda_device_count() -> int:
     """Visible CUDA devices, without initialising CUDA or poisoning fork (NVML where torch can)."""
     try:

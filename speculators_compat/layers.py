@@ -10,8 +10,8 @@ default ids, and the two conventions.
     embeddings) is not captured.
 
 speculators >= 0.5 (``--format speculators-hs``) names ids in vLLM's convention and defaults to
-``[2, n//2, n-3, n]``. Upstream's (0.3.x/0.4.x) default ids are ``[2, n//2, n-3, n-1]`` (Kimi-K2.5, n=61: ``[2, 30, 58, 60]``), which are
-vLLM native ``[3, 31, 59, 61]``.
+``[2, n//2, n-3, n]``. Upstream's (0.3.x/0.4.x) default ids are ``[2, n//2, n-3, n-1]``
+(Kimi-K2.5, n=61: ``[2, 30, 58, 60]``), which are vLLM native ``[3, 31, 59, 61]``.
 """
 
 from __future__ import annotations

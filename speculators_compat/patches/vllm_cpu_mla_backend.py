@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 
 from .. import versions
+from ..host import has_amx_tiles
 from ..registry import Patch
-from .vllm_cpu_attention_isa import _host_has_amx
 
 logger = logging.getLogger("speculators_compat")
 
@@ -55,7 +55,7 @@ class CpuMlaBackendPatch(Patch):
         names = {m.name for m in _backends()}
         if not {"AMX_MLA", "CPU_MLA"} <= names:
             return None
-        if not _host_has_amx():
+        if not has_amx_tiles():
             return None
         return (
             f"vLLM {versions.installed('vllm')} picks AMX_MLA on this AMX host, which cannot load float32 MLA weights"

