@@ -6,12 +6,16 @@ shard that the safetensors index lists but that is not there, a safetensors file
 what its own header says (a truncated download or copy). Without it, vLLM's workers fail on such a
 file and the driver only says ``WorkerProc initialization failed``.
 
-``fingerprint_checkpoint(path)`` describes what the extracted states depend on, so that a resumed
-extraction can refuse a model that changed under the same path: ``config.json`` and the tokenizer
-files by SHA-256, each weight file by size, the SHA-256 of its safetensors header (names, dtypes,
-shapes, offsets) and a CRC-32 of 16 blocks of 64 KiB spread over its tensor data (a retrained or
-re-initialised model keeps the header and changes every block). That reads about 1 MiB a weight
-file, whatever its size. No torch, no safetensors package: the header format is read directly.
+``fingerprint_checkpoint(path, known)`` describes what the extracted states depend on, so that a
+resumed extraction can refuse a model that changed under the same path: ``config.json`` and the
+tokenizer files by SHA-256; each weight file by its size, modification time, the SHA-256 of its
+safetensors header (names, dtypes, shapes, offsets), a SHA-256 of three 4 KiB samples of every
+tensor (its start, middle and end: a merged LoRA or a re-initialised layer changes each tensor it
+touches there) and a CRC-32 of the whole file. The whole-file CRC is what costs: it reads every
+byte once (threads, one a file; docs/architecture.md gives the cost on a 600 GB checkpoint). A
+resume reads it again only for the files whose size or modification time is not the recorded one
+(``known``: the recorded fingerprint); for the others the per-tensor samples are read again. No
+torch, no safetensors package: the header format is read directly.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ from pathlib import Path
 
 from .errors import CheckpointError
 
-SAMPLE_BLOCKS = 16
-SAMPLE_BLOCK_BYTES = 64 << 10
+TENSOR_SAMPLE_BYTES = 4 << 10  # read at a tensor's start, middle and end
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -125,23 +128,57 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _sampled_crc(path: Path, start: int, length: int) -> str:
-    """CRC-32 of SAMPLE_BLOCKS blocks spread evenly over ``[start, start + length)`` of the file."""
+def _tensor_spans(raw: bytes, data_start: int) -> list[tuple[int, int]]:
+    """(file offset, bytes) of every tensor in a safetensors file, in file order."""
+    header = json.loads(raw)
+    spans = [tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"]
+    return [(data_start + int(a), int(b) - int(a)) for a, b in sorted(spans)]
+
+
+def _sampled_sha256(path: Path, spans: list[tuple[int, int]]) -> str:
+    """SHA-256 of every span's start, middle and end (TENSOR_SAMPLE_BYTES each; a small span whole)."""
+    h, k = hashlib.sha256(), TENSOR_SAMPLE_BYTES
+    with open(path, "rb") as f:
+        for start, n in spans:
+            at = [0] if n <= 3 * k else [0, (n - k) // 2, n - k]
+            for off in at:
+                f.seek(start + off)
+                h.update(f.read(min(n, 3 * k) if n <= 3 * k else k))
+    return h.hexdigest()
+
+
+def file_crc32(path: Path) -> str:
+    """CRC-32 of a whole file (zlib releases the GIL: files hash in parallel on threads)."""
     crc = 0
     with open(path, "rb") as f:
-        if length <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
-            f.seek(start)
-            crc = zlib.crc32(f.read(length))
-        else:
-            step = (length - SAMPLE_BLOCK_BYTES) // (SAMPLE_BLOCKS - 1)
-            for k in range(SAMPLE_BLOCKS):
-                f.seek(start + k * step)
-                crc = zlib.crc32(f.read(SAMPLE_BLOCK_BYTES), crc)
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
     return f"{crc:08x}"
 
 
-def fingerprint_checkpoint(model: str) -> dict:
-    """What the states depend on (module docstring); a hub id is fingerprinted by its name only."""
+def _weight_entry(f: Path, known: dict | None) -> dict:
+    st = f.stat()
+    if f.name.endswith(".safetensors"):
+        raw, _ = read_safetensors_header(f)
+        entry = {"header_sha256": hashlib.sha256(raw).hexdigest()}
+        spans = _tensor_spans(raw, 8 + len(raw))
+    else:
+        entry, spans = {}, [(0, st.st_size)]
+    entry.update(bytes=st.st_size, mtime_ns=st.st_mtime_ns, tensors_sha256_sampled=_sampled_sha256(f, spans))
+    same_file = known and known.get("bytes") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns
+    if same_file and known.get("crc32"):
+        entry["crc32"] = known["crc32"]  # (untouched since it was read in full: its samples were read again)
+    else:
+        entry["crc32"] = None  # (read in full by fingerprint_checkpoint, on a thread)
+    return entry
+
+
+def fingerprint_checkpoint(model: str, known: dict | None = None) -> dict:
+    """What the states depend on (module docstring); a hub id is fingerprinted by its name only.
+    ``known``: the fingerprint recorded by an earlier run (its whole-file CRCs are taken for the
+    files whose size and modification time are unchanged)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     if not is_local(model) or not Path(model).is_dir():
         return {"hub_id": model}
     p = Path(model).expanduser()
@@ -150,27 +187,31 @@ def fingerprint_checkpoint(model: str) -> dict:
         "tokenizer": {n: _sha256(p / n) for n in TOKENIZER_FILES if (p / n).is_file()},
         "weights": {},
     }
+    old = (known or {}).get("weights") or {}
     for f in _weight_files(p):
-        size = f.stat().st_size
-        if f.name.endswith(".safetensors"):
-            raw, data = read_safetensors_header(f)
-            entry = {
-                "bytes": size,
-                "header_sha256": hashlib.sha256(raw).hexdigest(),
-                "data_crc32_sampled": _sampled_crc(f, 8 + len(raw), data),
-            }
-        else:
-            entry = {"bytes": size, "data_crc32_sampled": _sampled_crc(f, 0, size)}
-        fp["weights"][f.name] = entry
+        fp["weights"][f.name] = _weight_entry(f, old.get(f.name))
+    todo = [n for n, e in fp["weights"].items() if e["crc32"] is None]
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16)) as pool:
+            for n, crc in zip(todo, pool.map(lambda n: file_crc32(p / n), todo)):
+                fp["weights"][n]["crc32"] = crc
     return fp
 
 
+#: what the states depend on in a weight file's entry (its modification time is not: a copy
+#: changes it; a changed time only makes the next resume read the file in full again)
+CONTENT_KEYS = ("bytes", "header_sha256", "tensors_sha256_sampled", "crc32")
+
+
+def _content(entry: dict | None) -> dict | None:
+    return None if entry is None else {k: entry.get(k) for k in CONTENT_KEYS if k in entry}
+
+
 def describe_model_change(old: dict, new: dict) -> list[str]:
-    """What differs between two fingerprints of a model, one phrase each (empty: the same)."""
-    if old == new:
-        return []
+    """What differs between two fingerprints of a model, one phrase each (empty: the same files;
+    modification times are not compared, CONTENT_KEYS are)."""
     if "hub_id" in old or "hub_id" in new:
-        return [f"model {old.get('hub_id', 'a local directory')!r} -> {new.get('hub_id', 'a local directory')!r}"]
+        return [] if old == new else [f"model {old.get('hub_id', 'a local directory')!r} -> {new.get('hub_id', 'a local directory')!r}"]
     out = []
     if old.get("config.json") != new.get("config.json"):
         out.append("config.json changed")
@@ -180,7 +221,9 @@ def describe_model_change(old: dict, new: dict) -> list[str]:
             out.append(f"tokenizer file {n} {'added' if n not in ot else 'removed' if n not in nt else 'changed'}")
     ow, nw = old.get("weights", {}), new.get("weights", {})
     for n in sorted(set(ow) | set(nw)):
-        a, b = ow.get(n), nw.get(n)
+        a, b = _content(ow.get(n)), _content(nw.get(n))
+        if a is not None and b is not None:  # (a record made before a key existed compares on the rest)
+            a, b = ({k: v for k, v in e.items() if k in a and k in b} for e in (a, b))
         if a == b:
             continue
         if a is None or b is None:

@@ -205,7 +205,7 @@ def test_checkpoint_checks(tmp_path):
 
 def test_model_fingerprint_sees_new_values_behind_the_same_header(tmp_path):
     a = fingerprint_checkpoint(str(fake_model(tmp_path / "a")))
-    assert a == fingerprint_checkpoint(str(fake_model(tmp_path / "a2")))  # same files, other path
+    assert describe_model_change(a, fingerprint_checkpoint(str(fake_model(tmp_path / "a2")))) == []  # other path
     same_shapes = safetensors_bytes({"a": bytes(range(255, -1, -1)) * 1024, "b": b"\x01" * 4096})
     b = fingerprint_checkpoint(str(fake_model(tmp_path / "b", same_shapes)))
     assert describe_model_change(a, b) == [
@@ -224,6 +224,65 @@ def test_model_fingerprint_sees_new_values_behind_the_same_header(tmp_path):
     assert describe_model_change(a, c) == ["weight file model.safetensors holds other tensors (its header changed)"]
     (tmp_path / "c" / "config.json").write_text("{}")
     assert "config.json changed" in describe_model_change(a, fingerprint_checkpoint(str(tmp_path / "c")))
+
+
+def many_tensors(scale: dict[int, int] | None = None) -> bytes:
+    """64 tensors of 64 KiB (a 4 MiB weight file); ``scale``: tensor k's bytes multiplied by v (mod 256)."""
+    t = {}
+    for k in range(64):
+        data = bytes((k * 7 + i) % 251 for i in range(256)) * 256
+        if scale and k in scale:
+            data = bytes((b * scale[k]) % 256 for b in data)
+        t[f"layers.{k}.weight"] = data
+    return safetensors_bytes(t)
+
+
+def test_a_tensor_between_sampled_blocks_changed_is_seen(tmp_path, no_engine):
+    """A merged LoRA changes a few whole tensors, same names, shapes and size. Tensors 2 and 40 lie
+    between the 16 blocks of 64 KiB the fingerprint used to sample (at 0, 276 KiB, ..., 4 MiB):
+    every tensor's start, middle and end are sampled now. The resume is refused before the engine."""
+    m = fake_model(tmp_path / "m", many_tensors())
+    a = fingerprint_checkpoint(str(m))
+    out = OutputDir(tmp_path / "out")
+    out.prepare({"format": "pt"}, fingerprints={"model": a})
+    (tmp_path / "out" / "data_0.pt").write_bytes(b"x")  # (a sample written: a run to protect)
+    (m / "model.safetensors").write_bytes(many_tensors({2: 3, 40: 5}))
+    assert describe_model_change(a, fingerprint_checkpoint(str(m))) == [
+        "weight file model.safetensors holds other values (same tensors and size, different contents)"
+    ]
+    with pytest.raises(OutputError, match=r"holds a different run .*model.safetensors holds other values"):
+        run(m, jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out")
+
+
+def test_a_weight_file_whose_time_changed_is_read_in_full(tmp_path, monkeypatch):
+    """A byte between a tensor's samples changed, with the file's time: the whole-file CRC sees it.
+    A copy (new time, same bytes) is the same model, and its new time is what the next resume
+    compares; a file whose size and time are the recorded ones is not read in full again."""
+    from speculators_compat import checkpoint
+
+    m = fake_model(tmp_path / "m", many_tensors())
+    f = m / "model.safetensors"
+    a = fingerprint_checkpoint(str(m))
+    data = bytearray(f.read_bytes())
+    data[len(data) - 64 * 1024 + 10_000] ^= 0xFF  # (the last tensor, 10,000 bytes in: no sample there)
+    f.write_bytes(bytes(data))
+    changed = fingerprint_checkpoint(str(m), known=a)
+    assert changed["weights"]["model.safetensors"]["tensors_sha256_sampled"] == (
+        a["weights"]["model.safetensors"]["tensors_sha256_sampled"]
+    )
+    assert describe_model_change(a, changed) == [
+        "weight file model.safetensors holds other values (same tensors and size, different contents)"
+    ]
+    data[len(data) - 64 * 1024 + 10_000] ^= 0xFF
+    f.write_bytes(bytes(data))  # the original bytes again, at a new time (a copy)
+    copy = fingerprint_checkpoint(str(m), known=a)
+    assert describe_model_change(a, copy) == []
+    read_in_full = []
+    monkeypatch.setattr(checkpoint, "file_crc32", lambda p: read_in_full.append(p) or "0")
+    assert describe_model_change(copy, fingerprint_checkpoint(str(m), known=copy)) == []
+    assert read_in_full == []  # unchanged size and time: the recorded whole-file CRC stands
+    fingerprint_checkpoint(str(m))
+    assert read_in_full == [f]  # (a first run reads it)
 
 
 def test_input_fingerprint_covers_the_whole_file_and_names_the_change(tmp_path):

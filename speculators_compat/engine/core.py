@@ -34,7 +34,7 @@ from ..errors import CaptureError, StallError, TokenIdError, WorkerDiedError
 from ..host import cuda_device_count
 from .config import EngineOptions, build_vllm_config, choose_start_method
 from .handoff import ArenaReader, handoff_prefix, hold_handoff_lock
-from .selfcheck import SelfCheckStats, judge
+from .selfcheck import LOGPROBS, SelfCheckStats, first_logprobs, judge
 
 logger = logging.getLogger("speculators_compat.engine")
 
@@ -210,16 +210,17 @@ class ExtractionEngine:
             self.executor.collective_rpc("compat_capture_expect", args=expect)
         self.timings["expect_s"] += time.perf_counter() - t_prep
         try:
+            check = self.self_check
             for rid, p in zip(ids, prompts):
-                self.core.add_request(self._make_request(rid, list(p)))
+                self.core.add_request(self._make_request(rid, list(p), check))
             t0 = time.perf_counter()
             self.timings["prep_s"] += t0 - t_prep
             sampled = self._drive()
             if ahead is not None:
                 ahead.result()  # a worker that failed to take the batch (no room for it) raises here
             t1 = time.perf_counter()
-            check = self.self_check
-            taken = self._rpc_rank0("compat_capture_take", ids, True, check)
+            probe = [list(sampled[r][1]) if r in sampled and sampled[r][1] else [] for r in ids] if check else None
+            taken = self._rpc_rank0("compat_capture_take", ids, True, check, probe)
             taken["states"] = self._copy_out(taken)
             self.timings["drive_s"] += t1 - t0
             self.timings["handoff_s"] += time.perf_counter() - t1
@@ -265,7 +266,8 @@ class ExtractionEngine:
         return out
 
     def _drive(self) -> dict:
-        """Step the engine until every request finished; the token sampled for each request id."""
+        """Step the engine until every request finished; for each request id, the token sampled
+        and the log-probabilities vLLM reported with it (token ids, values: ``first_logprobs``)."""
         core = self.core
         step = core.step_fn
         sched = core.scheduler
@@ -278,8 +280,8 @@ class ExtractionEngine:
             outputs, executed = step()
             for batch in (outputs or {}).values():
                 for o in batch.outputs:
-                    if o.new_token_ids:
-                        sampled.setdefault(o.request_id, o.new_token_ids[0])
+                    if o.new_token_ids and o.request_id not in sampled:
+                        sampled[o.request_id] = (o.new_token_ids[0], *first_logprobs(o.new_logprobs))
             idle = 0 if executed else idle + 1
             if idle > 200:
                 raise StallError(
@@ -312,12 +314,13 @@ class ExtractionEngine:
         except Exception as e:  # the engine may be dead already; report, don't mask the real error
             logger.warning("could not clean up requests after a failure: %s", e)
 
-    def _make_request(self, rid: str, prompt: list[int]):
+    def _make_request(self, rid: str, prompt: list[int], logprobs: bool = False):
         from vllm.sampling_params import SamplingParams
 
         from .requests import build_request
 
-        sp = SamplingParams(max_tokens=1, temperature=0.0)
+        # with the self-check, vLLM's own log-probabilities of its top tokens come back too (selfcheck.py)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=LOGPROBS if logprobs else None)
         return build_request(rid, prompt, sp, block_hasher=self.core.request_block_hasher)
 
     # ------------------------------------------------------------------ lifecycle

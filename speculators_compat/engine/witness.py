@@ -126,10 +126,12 @@ def _state_rows(st, w: Witness, req_ids) -> tuple[torch.Tensor, list[str | None]
     return torch.stack(rows).to(w.device), problems  # (arena rows: stacked on the host, one copy)
 
 
-def check(worker, req_ids: list[str]) -> dict | None:
+def check(worker, req_ids: list[str], probe: list[list[int]] | None = None) -> dict | None:
     """Every rank: the final norm and compute_logits on our last-position states. Rank 0 returns
     {"ids": [[top token ids]], "logits": [[their logits]], "zero": [...], "problems": [...],
-    "seconds": s}, one entry a request in ``req_ids`` order; other ranks None."""
+    "logprobs": [[ours at probe[i]'s ids]] or None, "seconds": s}, one entry a request in
+    ``req_ids`` order; other ranks None. ``probe``: per request, the token ids whose log-probability
+    vLLM reported (its sampled token and its top ones): ours at the same ids come back."""
     w = getattr(worker, "_compat_witness", None)
     if not isinstance(w, Witness):
         return None
@@ -158,16 +160,23 @@ def check(worker, req_ids: list[str]) -> dict | None:
         if not w.capture or logits is None:
             w.seconds += time.perf_counter() - t0
             return None
-        vals, ids = logits.float().topk(min(TOP_K, logits.shape[-1]), dim=-1)
+        logits = logits.float()  # (vLLM's sampler takes its log-probabilities in float32 too)
+        vals, ids = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1)
         zero = rows.abs().amax(dim=-1) == 0
+        parts = [ids.double(), vals.double(), zero.double()[:, None]]
+        width = max((len(p) for p in probe or ()), default=0)
+        if width:
+            at = torch.tensor([p + [0] * (width - len(p)) for p in probe], device=logits.device)
+            parts.append((logits.gather(1, at) - logits.logsumexp(dim=-1, keepdim=True)).double())
         # one device->host copy (float64 holds every token id exactly)
-        both = torch.cat([ids.double(), vals.double(), zero.double()[:, None]], dim=1).cpu()
+        both = torch.cat(parts, dim=1).cpu()
         k = ids.shape[1]
         out = {
             "ids": both[:, :k].long().tolist(),
             "logits": both[:, k : 2 * k].tolist(),
             "zero": both[:, 2 * k].bool().tolist(),
             "problems": problems,
+            "logprobs": [r[: len(p)] for r, p in zip(both[:, 2 * k + 1 :].tolist(), probe)] if width else None,
         }
     w.seconds += time.perf_counter() - t0
     out["seconds"] = w.seconds

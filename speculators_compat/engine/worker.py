@@ -90,10 +90,13 @@ class CaptureExtension:
         st.expected.update(expected)
         st.t_expect += time.perf_counter() - t0
 
-    def compat_capture_take(self, req_ids: list[str], want_data: bool = True, self_check: bool = False) -> dict:
+    def compat_capture_take(
+        self, req_ids: list[str], want_data: bool = True, self_check: bool = False, probe: list | None = None
+    ) -> dict:
         """The batch's rows (see take_captures); with ``self_check``, first the logits our states
-        imply at each last position (witness.py: every rank takes part)."""
-        verdict = witness.check(self, req_ids) if self_check and want_data else None
+        imply at each last position, and our log-probabilities at ``probe``'s token ids (witness.py:
+        every rank takes part)."""
+        verdict = witness.check(self, req_ids, probe) if self_check and want_data else None
         witness.forget(self, req_ids)
         taken = take_captures(self, req_ids, want_data)
         if verdict is not None:

@@ -229,7 +229,8 @@ def _run_locked(
         run_info["shard_size"] = shard_size
     if out.part.sharded:  # (likewise: absent means one engine)
         run_info["world_size"] = out.part.world_size
-    fingerprints = {"model": fingerprint_checkpoint(model), "input": scan.fingerprint}
+    known = (out.recorded().get("fingerprints") or {}).get("model")
+    fingerprints = {"model": fingerprint_checkpoint(model, known), "input": scan.fingerprint}
     done = out.prepare(
         run_info,
         total,

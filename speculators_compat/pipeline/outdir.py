@@ -280,8 +280,11 @@ class OutputDir:
         from .dataset import describe_input_change
 
         old_fp = old.get("fingerprints") or {}
+        describers = {"model": describe_model_change, "input": describe_input_change}
         same_files = {
-            k for k in ("model", "input") if fingerprints and k in old_fp and old_fp[k] == fingerprints.get(k)
+            k
+            for k in describers
+            if fingerprints and k in old_fp and k in fingerprints and not describers[k](old_fp[k], fingerprints[k])
         }
         diff = {k: (old.get(k), v) for k, v in run_info.items() if k in old and old.get(k) != v and k not in same_files}
         # a first run that stopped before its engine started has no dtype yet: not a difference
@@ -319,8 +322,8 @@ class OutputDir:
                     "since cannot be checked; recording them now",
                     self.root,
                 )
-            for k, describe in (("model", describe_model_change), ("input", describe_input_change)):
-                if k in old_fp and k in fingerprints and old_fp[k] != fingerprints[k]:
+            for k, describe in describers.items():
+                if k in old_fp and k in fingerprints and k not in same_files:
                     changes += [f"{k} {run_info.get(k)}: {c}" for c in describe(old_fp[k], fingerprints[k])]
         if changes:
             if self.part.sharded or old.get("world_size", 1) > 1:
@@ -336,7 +339,8 @@ class OutputDir:
         keep = {k: v for k, v in old.items() if k not in self.LATEST}
         keep.update({k: v for k, v in run_info.items() if k not in keep})
         if fingerprints:
-            keep["fingerprints"] = {**fingerprints, **{k: v for k, v in old_fp.items() if k in fingerprints}}
+            # (the same files: this run's fingerprint, whose modification times are the files' now)
+            keep["fingerprints"] = {**old_fp, **fingerprints}
             keep["model"], keep["input"] = (
                 run_info.get("model", old.get("model")),
                 run_info.get("input", old.get("input")),

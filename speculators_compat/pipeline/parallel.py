@@ -248,10 +248,8 @@ def merge_summaries(summaries: list[dict], output: str, wall_s: float) -> dict[s
         "skipped_overlength": max((s["skipped_overlength"] for s in summaries), default=0),
         "engines": len(summaries),
         "self_check": {
-            "checked": sum(c["checked"] for c in checks),
-            "failed": sum(c["failed"] for c in checks),
-            "near_ties": sum(c["near_ties"] for c in checks),
-            "max_gap": max(c["max_gap"] for c in checks),
+            **{k: sum(c.get(k, 0) for c in checks) for k in ("checked", "failed", "near_ties", "values_checked")},
+            **{k: max(c.get(k, 0.0) for c in checks) for k in ("max_gap", "max_logprob_diff")},
         }
         if checks
         else None,

@@ -63,11 +63,14 @@ def test_every_request_is_checked_and_passes(gen, llama_path, hf_ref):
     for prompts in (MIXED, EQUAL, MIXED):  # repeated calls
         before = gen.engine.self_check_stats.as_dict()
         assert wrong_rows(gen, llama_path, prompts, hf_ref) == 0
-        assert gen.engine.self_check_stats.since(before) == {
+        got = gen.engine.self_check_stats.since(before)
+        assert got.pop("max_logprob_diff") <= 2 * 1e-4 * 10  # (float32: 2 x 1e-4 x |top logit|, top < 10 here)
+        assert got == {
             "checked": len(prompts),
             "failed": 0,
             "near_ties": 0,
             "max_gap": 0.0,
+            "values_checked": len(prompts),  # vLLM's log-probabilities came back and matched ours
         }
     assert gen.engine.stats()["self_check_s"] > 0  # it ran in the worker
 
@@ -112,3 +115,64 @@ def test_the_drop_in_leaves_it_off_unless_asked(llama_path, monkeypatch):
     with VllmHiddenStatesGenerator(llama_path, layer_ids=LAYERS, max_model_len=256, dtype="float32") as g:
         g.generate(EQUAL[:3])
         assert g.engine.self_check and g.engine.self_check_stats.checked == 3
+
+
+# -- the blind spot of the argmax: rows from elsewhere whose next token is the same -------------
+def _hf_next(llama_path, prompts, at=-1):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(llama_path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [m(torch.tensor([p])).logits[0, at].argmax().item() for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def same_next_pair(llama_path):
+    """Two 24-token prompts whose next token (HF's greedy choice) is the same, found by search, with
+    three of other lengths (the swap fault exchanges the first two rows of equal length in a step,
+    so only the pair is swapped)."""
+    cands = models.random_prompts([24] * 64, seed=11)
+    nxt = _hf_next(llama_path, cands)
+    by = {}
+    for p, t in zip(cands, nxt):
+        by.setdefault(t, []).append(p)
+    pair = next(ps[:2] for ps in by.values() if len(ps) >= 2)
+    return pair + models.random_prompts([7, 40, 13], seed=12)
+
+
+@pytest.fixture(scope="module")
+def repeated_suffix(llama_path):
+    """Prompts ending in a run of one repeated token, chosen so that HF's next token after the last
+    position and after the one before are the same: a one-position shift keeps the argmax."""
+    out = []
+    for seed in range(200):
+        (head,) = models.random_prompts([20 + seed % 7], seed=100 + seed)
+        p = head + [head[-1]] * 6
+        a, b = _hf_next(llama_path, [p, p], at=-1)[0], _hf_next(llama_path, [p], at=-2)[0]
+        if a == b:
+            out.append(p)
+        if len(out) == 4:
+            return out
+    pytest.fail("no prompt with a repeated-token suffix kept its next token over one position")
+
+
+@pytest.mark.parametrize("fault", ["swap", "shift"])
+def test_a_wrong_row_with_the_same_next_token_fails_by_value(
+    gen, llama_path, hf_ref, same_next_pair, repeated_suffix, fault
+):
+    prompts = same_next_pair if fault == "swap" else repeated_suffix
+    if fault == "swap":  # precondition: the argmax cannot tell the swapped rows apart
+        a, b = _hf_next(llama_path, prompts[:2])
+        assert a == b
+    inject(gen, fault)
+    try:
+        with pytest.raises(CaptureError, match=r"vLLM gave token \d+ log-probability .* same sampled token") as e:
+            gen.generate(prompts)
+        assert "argmax is token" not in str(e.value)  # the values caught it, not the argmax
+        gen.engine.self_check = False  # unchecked: states HF rejects, without a word
+        assert wrong_rows(gen, llama_path, prompts, hf_ref) > 0
+    finally:
+        gen.engine.self_check = True
+        inject(gen, None)
+    assert wrong_rows(gen, llama_path, prompts, hf_ref) == 0
