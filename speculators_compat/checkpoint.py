@@ -120,6 +120,43 @@ def check_checkpoint(model: str) -> None:
             raise CheckpointError(f"{f}: empty weight file")
 
 
+def model_limits(model: str) -> dict:
+    """What config.json says bounds the input, for checks before an engine starts: ``vocab_size``,
+    ``max_position_embeddings`` and whether ``rope_scaling`` stretches it (a text model's own, or
+    its ``text_config``'s); {} for a hub id or a config without them."""
+    cfg_file = Path(model).expanduser() / "config.json"
+    if not is_local(model) or not cfg_file.is_file():
+        return {}
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except ValueError:
+        return {}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    out = {}
+    for k in ("vocab_size", "max_position_embeddings"):
+        v = cfg.get(k, text.get(k))
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[k] = v
+    out["rope_scaling"] = bool(cfg.get("rope_scaling") or text.get("rope_scaling"))
+    return out
+
+
+def check_max_model_len(max_model_len: int | None, limits: dict, model: str) -> None:
+    """A ``--max-model-len`` over the model's ``max_position_embeddings`` is refused before the
+    engine (vLLM refuses it too, after the engine started). Left to vLLM: a model whose rope
+    scaling stretches its context, and VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    limit = limits.get("max_position_embeddings")
+    if not max_model_len or not limit or limits.get("rope_scaling"):
+        return
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true"):
+        return
+    if int(max_model_len) > limit:
+        raise CheckpointError(
+            f"--max-model-len {int(max_model_len):,} is above the {limit:,} positions the model takes "
+            f"(max_position_embeddings in {Path(model) / 'config.json'}): use --max-model-len {limit} or less"
+        )
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

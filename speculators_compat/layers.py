@@ -40,7 +40,16 @@ def read_num_layers(model_path: str, trust_remote_code: bool = False) -> int:
             raise FileNotFoundError(f"model path {model_path!r} {what}")
         from transformers import AutoConfig
 
-        c = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        from .errors import CheckpointError
+
+        try:
+            c = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        except OSError as e:  # the hub offline or the id unknown (also a mistyped local path)
+            raise CheckpointError(
+                f"model {model_path!r} is no directory here, and as a hub id its config could not be "
+                f"fetched ({str(e).splitlines()[0] if str(e) else type(e).__name__}): give the local "
+                "directory holding config.json and the weights"
+            ) from None
         get = lambda k, d=None: getattr(c, k, d)  # noqa: E731
         t = getattr(c, "text_config", None)
         tget = (lambda k, d=None: getattr(t, k, d)) if t is not None else (lambda k, d=None: d)  # noqa: E731

@@ -69,6 +69,14 @@ def run(model, inp, out, **kw):
     return extract.run_extract(str(model), str(inp), str(out), progress=False, **kw)
 
 
+def run_past_the_checks(model, inp, out, **kw):
+    """Run until every check before the engine passed: the engine's constructor (no_engine), or
+    in the light environment the torch import that comes just before it."""
+    with pytest.raises((AssertionError, ImportError)) as e:
+        run(model, inp, out, **kw)
+    assert "the engine was started" in str(e.value) or "torch" in str(e.value), e.value
+
+
 def test_a_malformed_line_deep_in_the_input_is_named_before_the_engine(tmp_path, no_engine):
     rows = [json.dumps(r) for r in ROWS * 4]
     rows[40] = '{"input_ids": [1, 2,'
@@ -100,8 +108,64 @@ def test_another_runs_output_is_refused_before_the_engine(tmp_path, no_engine):
     m = fake_model(tmp_path / "m")
     out = OutputDir(tmp_path / "out")
     out.prepare({"model": str(m), "layer_ids": [0, 1], "format": "pt"})
+    (tmp_path / "out" / "data_0.pt").write_bytes(b"x")  # a sample written: a run to protect
     with pytest.raises(OutputError, match=r"holds a different run \(.*layer_ids: \[0, 1\] -> \[1, 3, 5\]"):
         run(m, jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out", layer_ids=[1, 3, 5])
+
+
+def test_an_output_with_no_sample_written_takes_the_corrected_run(tmp_path, no_engine):
+    """A run that failed at its start leaves run.json and no sample: the corrected command is no
+    "different run" (it reaches the engine here, which is the seam)."""
+    m = fake_model(tmp_path / "m")
+    OutputDir(tmp_path / "out").prepare({"model": str(m), "layer_ids": [0, 1], "format": "pt", "dtype": "float32"})
+    run_past_the_checks(m, jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out", layer_ids=[1, 3, 5], dtype="bfloat16")
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["layer_ids"] == [1, 3, 5]
+
+
+def test_a_max_model_len_over_the_models_positions_is_refused_before_the_engine(tmp_path, no_engine):
+    m = fake_model(tmp_path / "m")
+    cfg = json.loads((m / "config.json").read_text())
+    (m / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=4096)))
+    with pytest.raises(CheckpointError, match=r"--max-model-len 8,192 is above the 4,096 positions the model takes"):
+        run(m, jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out", max_model_len=8192)
+    assert not (tmp_path / "out" / "run.json").exists()
+    (m / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=4096, rope_scaling={"factor": 4.0})))
+    run_past_the_checks(m, jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out", max_model_len=8192)
+
+
+def test_a_token_id_outside_the_vocabulary_is_named_before_the_engine(tmp_path, no_engine):
+    rows = [dict(r) for r in ROWS]
+    rows[9] = {"input_ids": [5, 1024, 7]}  # fake_model's vocab_size is 1024
+    with pytest.raises(DatasetError, match=r"sample 9 holds token id 1024, outside the model's vocabulary of 1024"):
+        run(fake_model(tmp_path / "m"), jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out")
+    assert not (tmp_path / "out" / "run.json").exists()
+
+
+def test_a_resume_with_another_dtype_is_refused_before_the_engine(tmp_path, no_engine):
+    m = fake_model(tmp_path / "m")
+    inp = jsonl(tmp_path / "in.jsonl", ROWS)
+    run_past_the_checks(m, inp, tmp_path / "out", dtype="float32")
+    out = OutputDir(tmp_path / "out")
+    out.confirm({"dtype": "float32"})  # (what the engine that started would have recorded)
+    (tmp_path / "out" / "data_0.pt").write_bytes(b"x")
+    with pytest.raises(OutputError, match=r"holds a different run \(dtype: 'float32' -> 'bfloat16'\)"):
+        run(m, inp, tmp_path / "out", dtype="bfloat16")
+    run_past_the_checks(m, inp, tmp_path / "out", dtype="float")  # (the same dtype, spelled as vLLM also takes it)
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_a_clear_error(tmp_path, no_engine, monkeypatch):
+    """A hub id with the hub offline, or a mistyped local path that looks like one."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model 'modles/llama' is no directory here, and as a hub id"):
+        run("modles/llama", jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out")
+
+
+def test_samples_without_a_loss_mask_are_said_once(tmp_path, no_engine, caplog):
+    run_past_the_checks(fake_model(tmp_path / "m"), jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out")
+    said = [r.getMessage() for r in caplog.records if "loss_mask" in r.getMessage()]
+    assert said == ["12 of 12 sample(s) have no loss_mask: every token of those counts in training (all ones)"]
 
 
 def test_a_directory_that_is_no_extract_output_is_refused(tmp_path, no_engine):
@@ -267,8 +331,9 @@ def test_a_weight_file_whose_time_changed_is_read_in_full(tmp_path, monkeypatch)
     data[len(data) - 64 * 1024 + 10_000] ^= 0xFF  # (the last tensor, 10,000 bytes in: no sample there)
     f.write_bytes(bytes(data))
     changed = fingerprint_checkpoint(str(m), known=a)
-    assert changed["weights"]["model.safetensors"]["tensors_sha256_sampled"] == (
-        a["weights"]["model.safetensors"]["tensors_sha256_sampled"]
+    assert (
+        changed["weights"]["model.safetensors"]["tensors_sha256_sampled"]
+        == (a["weights"]["model.safetensors"]["tensors_sha256_sampled"])
     )
     assert describe_model_change(a, changed) == [
         "weight file model.safetensors holds other values (same tensors and size, different contents)"

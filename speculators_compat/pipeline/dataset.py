@@ -186,6 +186,8 @@ class InputScan:
     max_len: int | None = None
     whole: bool = True  # every sample of the input was read (not stopped at max_samples)
     recorded: bool = False  # taken from an earlier run's record of the same input (not parsed again)
+    max_token: tuple[int, int] | None = None  # (index, id) of the first sample holding the largest id
+    no_loss_mask: int = 0  # samples without a loss_mask (all ones)
 
     def record(self) -> dict:
         """What a later run over the same input (same fingerprint) can take instead of parsing it."""
@@ -195,7 +197,16 @@ class InputScan:
             "whole": self.whole,
             "max_len": self.max_len,
             "overlength": [list(x) for x in self.overlength],
+            "max_token": list(self.max_token) if self.max_token else None,
+            "no_loss_mask": self.no_loss_mask,
         }
+
+    def check_vocab(self, vocab: int | None) -> None:
+        """A token id at or above the model's vocabulary is named (its sample) before the engine."""
+        if vocab and self.max_token and self.max_token[1] >= vocab:
+            from ..errors import TokenIdError
+
+            raise DatasetError(TokenIdError(0, self.max_token[1], vocab).message(f"sample {self.max_token[0]}"))
 
 
 class _CrcLines:
@@ -265,22 +276,34 @@ def scan_input(
         and (known.get("whole") or (max_samples is not None and max_samples <= known.get("samples", -1)))
     ):
         fp = input_fingerprint(p)
-        if fp == known.get("fingerprint"):
+        if fp == known.get("fingerprint") and "max_token" in known:
             n = known["samples"] if max_samples is None else min(known["samples"], max_samples)
             over = [(int(i), int(k)) for i, k in known.get("overlength", []) if i < n]
+            top = tuple(known["max_token"]) if known.get("max_token") else None
             return InputScan(
-                n, over, fp, max_len, whole=bool(known.get("whole")) and n == known["samples"], recorded=True
+                n,
+                over,
+                fp,
+                max_len,
+                whole=bool(known.get("whole")) and n == known["samples"],
+                recorded=True,
+                max_token=top if n == known["samples"] else None,  # (a part: the engine checks its ids)
+                no_loss_mask=int(known.get("no_loss_mask") or 0),
             )
     samples = open_dataset(p)  # (checks what open_dataset checks: existence, a saved dataset's files)
-    count, over = 0, []
+    count, over, top, no_mask = 0, [], None, 0
 
     def take(it: Iterator[Sample]) -> None:
-        nonlocal count
+        nonlocal count, top, no_mask
         for s in it:
             if max_samples is not None and count >= max_samples:
                 break
             if max_len is not None and len(s.input_ids) > max_len:
                 over.append((s.index, len(s.input_ids)))
+            m = max(s.input_ids)
+            if top is None or m > top[1]:
+                top = (s.index, m)
+            no_mask += s.loss_mask is None
             count += 1
 
     if p.is_dir():
@@ -297,7 +320,9 @@ def scan_input(
             f"input {str(p)!r} holds no samples"
             + (" (only blank lines)" if p.is_file() and p.stat().st_size else " (it is empty)")
         )
-    return InputScan(count, over, fp, max_len, whole=max_samples is None or count < max_samples)
+    return InputScan(
+        count, over, fp, max_len, whole=max_samples is None or count < max_samples, max_token=top, no_loss_mask=no_mask
+    )
 
 
 def describe_input_change(old: dict, new: dict) -> list[str]:

@@ -31,6 +31,14 @@ from .shards import ShardWriter, check_shard_size
 from .writers import BackgroundWriter
 
 WRITER_MODES = ("auto", "thread", "process")
+#: --dtype spellings vLLM takes, by the torch dtype they name (what run.json records)
+DTYPE_NAMES = {"float32": ("float32", "float"), "float16": ("float16", "half"), "bfloat16": ("bfloat16",)}
+
+
+def dtype_name(dtype) -> str | None:
+    """The torch dtype name an explicit ``dtype`` asks for (None: "auto", unset, or unknown)."""
+    name = str(dtype).replace("torch.", "") if dtype is not None else ""
+    return next((k for k, names in DTYPE_NAMES.items() if name in names), None)
 
 
 def _gpu_host() -> bool:
@@ -184,12 +192,15 @@ def _run_locked(
     self_check,
     gen_kwargs,
 ) -> dict[str, Any]:
-    from ..checkpoint import check_checkpoint, fingerprint_checkpoint
+    from ..checkpoint import check_checkpoint, check_max_model_len, fingerprint_checkpoint, model_limits
     from ..layers import native_default_layer_ids, normalize_layer_ids, read_num_layers
 
     t0 = time.time()
     # -- before any engine: the model's files, the whole input, the output's record --------------
     check_checkpoint(model)
+    limits = model_limits(model)
+    if generator is None:
+        check_max_model_len(gen_kwargs.get("max_model_len"), limits, model)
     if generator is None:
         n_layers = read_num_layers(model, bool(gen_kwargs.get("trust_remote_code")))
         # speculators >= 0.5 names layers as vLLM does (id k: the output of k layers), the last included
@@ -208,6 +219,13 @@ def _run_locked(
         raise DatasetError(
             f"sample {i} has {n} tokens; at most max_model_len - 1 = {max_len} fit (use "
             f"--on-overlength truncate|skip; {len(scan.overlength)} sample(s) are over)"
+        )
+    scan.check_vocab(limits.get("vocab_size"))
+    if scan.no_loss_mask:
+        logger.warning(
+            "%d of %d sample(s) have no loss_mask: every token of those counts in training (all ones)",
+            scan.no_loss_mask,
+            scan.samples,
         )
     if scan.overlength:
         _warn_overlength(
@@ -238,6 +256,9 @@ def _run_locked(
         verify_existing=verify_existing,
         latest={"samples": total, "skipped_overlength": sorted(skip), "input_scan": scan.record()},
     )
+    asked = dtype_name(gen_kwargs.get("dtype")) if generator is None else None
+    if asked:  # (an explicit --dtype is known now; "auto" only once the engine resolved it)
+        out.confirm({"dtype": asked}, record=False)
     owned = [i for i in range(total) if out.owns(i)]
     to_compute = sum(1 for i in owned if i not in done and i not in skip)
     import torch  # (not before: the checks above need neither torch nor vLLM)

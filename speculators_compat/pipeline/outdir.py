@@ -205,6 +205,10 @@ class OutputDir:
             raise OutputError(f"output directory {self.root} is not writable")
         run_file = self.root / "run.json"
         with self._run_json_lock():
+            if run_file.exists() and not self._holds_samples():
+                # a run that stopped before it wrote a sample (a failed start): nothing to protect
+                logger.info("%s: run.json of a run that wrote no sample; replaced by this run's", self.root)
+                run_file.unlink()
             if run_file.exists():
                 try:
                     old = json.loads(run_file.read_text())
@@ -254,6 +258,15 @@ class OutputDir:
                 done.add(i)
         return done
 
+    def _holds_samples(self) -> bool:
+        """Whether any run wrote a sample here (a data file or shard, partial or whole, a record, or
+        another rank's directory): only then is there a run to protect from other settings."""
+        for p in self.root.iterdir():
+            name = p.name[1 : -len(".partial")] if p.name.endswith(".partial") else p.name
+            if data_file_index(name) is not None or SHARD_FILE_RE.match(name) or RANK_DIR_RE.match(p.name):
+                return True
+        return bool(self.checksum_records(all_ranks=True))
+
     def _owns_file(self, name: str) -> bool:
         """Whether the data file or shard ``name`` holds this rank's samples."""
         i = data_file_index(name)
@@ -262,16 +275,20 @@ class OutputDir:
         m = SHARD_FILE_RE.match(name)
         return bool(m) and self.owns(int(m.group(1)) * self.shard_size)
 
-    def confirm(self, engine_info: dict) -> None:
-        """After the engine started: what only the engine knows (the dtype it chose for "auto") must
-        match what run.json recorded; a first run records it."""
+    def confirm(self, engine_info: dict, record: bool = True) -> None:
+        """What only the engine settles (the dtype: "auto" resolved by the engine, an explicit one
+        checked before it starts) must match what run.json recorded; with ``record``, a first run
+        records it."""
         run_file = self.root / "run.json"
         old = json.loads(run_file.read_text())
         diff = {k: (old[k], v) for k, v in engine_info.items() if k in old and old[k] != v}
         if diff:
             detail = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-            raise OutputError(f"{self.root} holds a different run ({detail}); use a new --output")
-        if any(k not in old for k in engine_info):
+            raise OutputError(
+                f"{self.root} holds a different run ({detail}); resuming would mix states of two runs "
+                "in one dataset: use a new --output"
+            )
+        if record and any(k not in old for k in engine_info):
             atomic_write(run_file, json.dumps({**old, **engine_info}, indent=2, sort_keys=True).encode())
 
     def _compare(self, old: dict, run_info: dict, fingerprints: dict | None) -> dict:
