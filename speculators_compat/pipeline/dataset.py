@@ -188,6 +188,7 @@ class InputScan:
     recorded: bool = False  # taken from an earlier run's record of the same input (not parsed again)
     max_token: tuple[int, int] | None = None  # (index, id) of the first sample holding the largest id
     no_loss_mask: int = 0  # samples without a loss_mask (all ones)
+    identity: dict | None = None  # the input's files' (device, inode, size, mtime) when it was read
 
     def record(self) -> dict:
         """What a later run over the same input (same fingerprint) can take instead of parsing it."""
@@ -257,6 +258,48 @@ def _dir_fingerprint(p: Path) -> dict:
     }
 
 
+def input_files(path: str | Path) -> list[Path]:
+    """The files an input reads: the JSONL file, or a saved dataset's state.json and Arrow files."""
+    p = Path(path)
+    return [p / "state.json", *arrow_files(p)] if p.is_dir() else [p]
+
+
+def file_identity(files: list[Path]) -> dict:
+    """Each file's (device, inode, size, modification time): what a rewrite, in place or by a
+    rename over it, changes."""
+    out = {}
+    for f in files:
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            out[str(f)] = None
+            continue
+        out[str(f)] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    return out
+
+
+class InputChangedError(DatasetError):
+    """The input changed while a run read it (the run stops; no manifest is written)."""
+
+
+def check_unchanged(path: str | Path, scan: InputScan, final: bool = False) -> None:
+    """Raise InputChangedError if the input's files are not the ones ``scan`` read: their identity
+    (each batch; a stat a file), and with ``final`` their contents hashed again (once, at the end:
+    a rewrite that put the time back shows there)."""
+    if scan.identity is None:
+        return
+    files = [Path(f) for f in scan.identity]
+    changed = [f.name for f in files if file_identity([f])[str(f)] != scan.identity[str(f)]]
+    if not changed and final and input_fingerprint(path) != scan.fingerprint:
+        changed = ["its contents (hashed again at the end)"]
+    if changed:
+        raise InputChangedError(
+            f"the input {str(path)!r} changed while this run read it ({', '.join(changed)}): stopped, and "
+            "no manifest written. The files written so far hold the input as it was when the run "
+            "started; for the input as it is now, run again into a new --output"
+        )
+
+
 def scan_input(
     path: str | Path, max_samples: int | None = None, max_len: int | None = None, known: dict | None = None
 ) -> InputScan:
@@ -269,6 +312,7 @@ def scan_input(
     (hashed, not parsed) and that scan covered what this run reads, its findings are taken: a
     resume of a large input pays the hash (GB/s), not the parse (tens of MB/s)."""
     p = Path(path)
+    identity = file_identity(input_files(p)) if p.exists() else None  # (before it is read: a change meanwhile shows)
     if (
         known
         and (p.is_file() or (p / "state.json").is_file())
@@ -289,6 +333,7 @@ def scan_input(
                 recorded=True,
                 max_token=top if n == known["samples"] else None,  # (a part: the engine checks its ids)
                 no_loss_mask=int(known.get("no_loss_mask") or 0),
+                identity=identity,
             )
     samples = open_dataset(p)  # (checks what open_dataset checks: existence, a saved dataset's files)
     count, over, top, no_mask = 0, [], None, 0
@@ -321,7 +366,14 @@ def scan_input(
             + (" (only blank lines)" if p.is_file() and p.stat().st_size else " (it is empty)")
         )
     return InputScan(
-        count, over, fp, max_len, whole=max_samples is None or count < max_samples, max_token=top, no_loss_mask=no_mask
+        count,
+        over,
+        fp,
+        max_len,
+        whole=max_samples is None or count < max_samples,
+        max_token=top,
+        no_loss_mask=no_mask,
+        identity=identity,
     )
 
 

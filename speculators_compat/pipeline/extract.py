@@ -21,7 +21,7 @@ from typing import Any
 from .. import versions
 from ..errors import TokenIdError
 from .checksums import check_checksum
-from .dataset import DatasetError, Sample, open_dataset, scan_input
+from .dataset import DatasetError, Sample, check_unchanged, open_dataset, scan_input
 from .outdir import OutputDir
 from .procwriter import ProcessWriter
 from .progress import progress_bar
@@ -341,8 +341,13 @@ def _run_locked(
         try:
             while True:
                 t_read = time.perf_counter()
-                batch = batches.next()
+                try:
+                    batch = batches.next()
+                except DatasetError:
+                    check_unchanged(input_path, scan)  # (a line torn by a rewrite: the rewrite is the news)
+                    raise
                 read_s += time.perf_counter() - t_read  # (waiting for it: reading overlaps the engine)
+                check_unchanged(input_path, scan)  # (after the batch was read: a change during it shows)
                 if batch is None:
                     break
                 n_seen += len(batch)
@@ -399,6 +404,7 @@ def _run_locked(
                 bar.set_postfix_str(f"{stats['tokens'] / max(time.time() - t_compute, 1e-9):,.0f} tok/s", refresh=False)
             stats["samples_seen"] = n_seen
             writer.finish(n_seen)  # (shards: the last one, however short, may be written)
+            check_unchanged(input_path, scan, final=True)  # (before a manifest says the dataset is whole)
         finally:
             if set_slabs is not None:
                 set_slabs(0)  # later plain generate() calls hold nothing: slabs made as needed

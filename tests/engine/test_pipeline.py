@@ -487,3 +487,47 @@ def test_verify_says_an_unfinished_run_is_incomplete(gen, llama_path, tmp_path, 
     assert main(["verify", str(tmp_path / "out")]) == 3
     said = capsys.readouterr().out
     assert "INCOMPLETE: 5 of 9 samples have no file yet (indices 4-8); the run has not finished" in said, said
+
+
+class _RewriteAfter:
+    """A progress bar (run_extract's ``progress`` callable) that rewrites the input in place, same
+    layout and length, once ``n`` samples are done: what a user regenerating the file does."""
+
+    def __init__(self, path: Path, n: int):
+        self.path, self.n, self.done = path, n, 0
+
+    def __call__(self, total):
+        return self
+
+    def update(self, k):
+        self.done += k
+        if self.done >= self.n and self.n:
+            rows = [json.loads(x) for x in self.path.read_text().splitlines()]
+            for r in rows:
+                r["input_ids"] = [5 + (t % 7) for t in r["input_ids"]]
+            with open(self.path, "w") as f:  # (in place: the same inode, a new time)
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+            self.n = 0
+
+    def set_postfix_str(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_an_input_rewritten_during_the_run_stops_it(gen, llama_path, tmp_path):
+    """The input is fingerprinted before the run; a rewrite while the run reads it stops the run at
+    the next batch, with no manifest, and the rerun into the same output is refused by name."""
+    from speculators_compat.errors import DatasetError, OutputError
+    from speculators_compat.pipeline.extract import run_extract
+
+    inp = tmp_path / "in.jsonl"
+    make_jsonl(inp, lengths=[40] * 12, seed=9)
+    out = tmp_path / "out"
+    with pytest.raises(DatasetError, match=r"in.jsonl' changed while this run read it \(in.jsonl\): stopped"):
+        run_extract(llama_path, str(inp), str(out), batch_size=2, generator=gen, progress=_RewriteAfter(inp, 4))
+    assert not (out / "manifest.json").exists()
+    assert len(list(out.glob("data_*.pt"))) <= 4  # the batches read before the change, at most
+    with pytest.raises(OutputError, match=r"holds a different run \(input .*in.jsonl: the input.s size changed"):
+        run_extract(llama_path, str(inp), str(out), batch_size=2, generator=gen, progress=False)
