@@ -133,7 +133,7 @@ def model_limits(model: str) -> dict:
         return {}
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     out = {}
-    for k in ("vocab_size", "max_position_embeddings"):
+    for k in ("vocab_size", "max_position_embeddings", "hidden_size"):
         v = cfg.get(k, text.get(k))
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             out[k] = v
@@ -248,7 +248,11 @@ def describe_model_change(old: dict, new: dict) -> list[str]:
     """What differs between two fingerprints of a model, one phrase each (empty: the same files;
     modification times are not compared, CONTENT_KEYS are)."""
     if "hub_id" in old or "hub_id" in new:
-        return [] if old == new else [f"model {old.get('hub_id', 'a local directory')!r} -> {new.get('hub_id', 'a local directory')!r}"]
+        return (
+            []
+            if old == new
+            else [f"model {old.get('hub_id', 'a local directory')!r} -> {new.get('hub_id', 'a local directory')!r}"]
+        )
     out = []
     if old.get("config.json") != new.get("config.json"):
         out.append("config.json changed")

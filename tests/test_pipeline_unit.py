@@ -175,6 +175,7 @@ def finished_file(root, name: str, data: bytes, index: int | None = None) -> Non
 def test_output_dir_refuses_another_run(tmp_path):
     out = OutputDir(tmp_path / "o")
     assert out.prepare({"model": "a", "layer_ids": [1, 2]}) == set()
+    finished_file(tmp_path / "o", "data_0.pt", b"x")  # (with no sample written there is no run to protect)
     with pytest.raises(OutputError, match="layer_ids: \\[1, 2\\] -> \\[1, 3\\]"):
         out.prepare({"model": "a", "layer_ids": [1, 3]})
 
@@ -840,3 +841,62 @@ def test_speculators_hs_refusals_before_any_engine(tmp_path):
     with pytest.raises(ValueError, match="is the input dataset"):
         run_extract("/nonexistent", str(d), str(d), fmt="speculators-hs")
     assert not (tmp_path / "o").exists()
+
+
+def _five_files(tmp_path):
+    torch = pytest.importorskip("torch")
+    from speculators_compat.pipeline import writers as w
+
+    out = OutputDir(tmp_path, "pt")
+    out.prepare({"m": 1, "samples": 8})
+    bw = w.BackgroundWriter(out, queue_size=1, threads=1)
+    sample = {"input_ids": torch.arange(6), "hidden_states": [torch.randn(6, 16)], "loss_mask": torch.ones(6)}
+    bw.put([(i, sample) for i in range(5)])
+    bw.close()
+    return out
+
+
+def test_verify_right_after_a_kill_says_incomplete_not_failed(tmp_path, capsys):
+    """A run killed between a file's rename and its record leaves a whole file that checksums.jsonl
+    does not list: that is a run that has not finished (the next one writes the file again), not
+    damage. With a manifest, an unlisted file is still a problem."""
+    from speculators_compat.cli import main
+
+    _five_files(tmp_path)
+    lines = (tmp_path / "checksums.jsonl").read_text().splitlines()
+    (tmp_path / "checksums.jsonl").write_text("\n".join(lines[:4]) + "\n")  # data_4.pt's record never came
+    assert main(["verify", str(tmp_path)]) == 3
+    text = capsys.readouterr().out
+    assert "NOTE data_4.pt: on disk but not yet in checksums.jsonl" in text
+    assert "INCOMPLETE: 4 of 8 samples have no file yet (indices 4-7)" in text and "BAD" not in text
+
+
+def test_a_torn_last_record_does_not_take_the_next_one_with_it(tmp_path):
+    """A kill mid-append leaves a torn last line in checksums.jsonl. The resume cuts it off: the
+    torn record's file is computed again, and the records appended after it are whole."""
+    torch = pytest.importorskip("torch")
+    from speculators_compat.pipeline import writers as w
+
+    _five_files(tmp_path)
+    f = tmp_path / "checksums.jsonl"
+    f.write_bytes(f.read_bytes()[:-20])  # data_4.pt's record torn
+    again = OutputDir(tmp_path, "pt")
+    done = again.prepare({"m": 1, "samples": 8})
+    assert done == {0, 1, 2, 3}  # data_4.pt had no whole record: removed, to be written again
+    assert f.read_bytes().endswith(b"\n")
+    bw = w.BackgroundWriter(again, queue_size=1, threads=1)
+    sample = {"input_ids": torch.arange(6), "hidden_states": [torch.randn(6, 16)], "loss_mask": torch.ones(6)}
+    bw.put([(i, sample) for i in (4, 5)])
+    bw.close()
+    assert sorted(again.checksum_records()) == [0, 1, 2, 3, 4, 5]
+    manifest = again.finalize(6, {})
+    assert manifest["total_tokens"] == 36 and json.loads((tmp_path / "sample_lengths.json").read_text())["5"] == 6
+
+
+def test_a_run_reading_fewer_samples_than_the_output_holds_is_refused(tmp_path):
+    """--max-samples 3 over an output holding 5 files would write a manifest for 3 and leave 2 out."""
+    out = _five_files(tmp_path)
+    with pytest.raises(OutputError, match=r"holds files of 2 sample\(s\) at index 3 and above \(up to 4\)"):
+        out.check_total(3)
+    out.check_total(5)
+    out.check_total(64)

@@ -400,3 +400,34 @@ def test_a_resume_over_the_same_input_hashes_it_instead_of_parsing_it(tmp_path, 
         scan_input(f, max_len=511, known=first.record())
     with pytest.raises(AssertionError, match="parsed again"):  # another length limit: parsed
         scan_input(f, max_len=100, known=first.record())
+
+
+def test_a_refused_run_leaves_nothing_in_a_directory_that_is_not_an_output(tmp_path, no_engine):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="holds no run.json"):
+        run(fake_model(tmp_path / "m"), jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "notes")
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["notes.txt"]  # no .lock, no .run.lock
+    bad = jsonl(tmp_path / "bad.jsonl", [{"input_ids": "x"}])
+    with pytest.raises(DatasetError):
+        run(fake_model(tmp_path / "m"), bad, tmp_path / "new")
+    assert not (tmp_path / "new").exists()  # (made for the run, removed with its refusal)
+
+
+def test_a_run_that_cannot_fit_its_disk_is_refused_before_the_engine(tmp_path, no_engine, monkeypatch):
+    """What `plan` calls disk needed, against the output's free space. A full disk is a seam this
+    machine cannot make on demand, so the free space is what shutil reports, patched."""
+    import shutil
+
+    m = fake_model(tmp_path / "m")
+    cfg = json.loads((m / "config.json").read_text())
+    (m / "config.json").write_text(json.dumps(dict(cfg, hidden_size=4096)))
+    rows = [{"input_ids": [5] * 1000}] * 40  # 40,000 tokens x 3 layers x 4096 x 2 bytes: ~0.92 GiB
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=500 << 20))
+    with pytest.raises(
+        OutputError, match=r"the 40 samples left to compute need about 0.9 GiB in .*, which has 0.5 GiB free"
+    ):
+        run(m, jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out", layer_ids=[1, 3, 5])
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=2 << 30))
+    run_past_the_checks(m, jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out", layer_ids=[1, 3, 5])

@@ -199,3 +199,23 @@ def test_data_parallel_engines_split_the_host(mocker, monkeypatch):
     assert [e for e, _ in placements(2, 1, devices=[["0"], ["0"]])] == [{"CUDA_VISIBLE_DEVICES": "0"}] * 2
     with pytest.raises(ValueError, match="need 10 GPUs; 8 are visible"):
         placements(5, 2)
+
+
+def test_a_ray_cluster_failure_is_a_shard_failure_not_a_raw_error(monkeypatch):
+    """A lost node takes the actors on it (the progress actor too) and Ray raises ActorDiedError
+    outside any shard's result. A node crash is a seam one machine cannot make, so the run's loop
+    is replaced by one raising Ray's own error; the command must say ShardFailedError and how to
+    resume."""
+    ray = pytest.importorskip("ray")
+    from speculators_compat.errors import ShardFailedError
+    from speculators_compat.pipeline import ray_shards
+
+    def lost(*a, **k):
+        raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # (no local instance started)
+    monkeypatch.setattr(ray_shards, "_run", lost)
+    with pytest.raises(
+        ShardFailedError, match=r"the Ray cluster failed under the run \(ActorDiedError.*run the same command again"
+    ):
+        ray_shards.run_on_ray("m", "in.jsonl", "out", shards=2)

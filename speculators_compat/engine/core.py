@@ -36,6 +36,9 @@ from .config import EngineOptions, build_vllm_config, choose_start_method
 from .handoff import ArenaReader, handoff_prefix, hold_handoff_lock
 from .selfcheck import LOGPROBS, SelfCheckStats, first_logprobs, judge
 
+#: how long a failed batch waits for a dead worker to show (vLLM's monitor, or the process's exit)
+WORKER_DEATH_WAIT_S = 2.0
+
 logger = logging.getLogger("speculators_compat.engine")
 
 
@@ -92,6 +95,8 @@ class ExtractionEngine:
         self._reader = ArenaReader(lend=lend)
         executor_class = Executor.get_class(self.vllm_config)
         self._worker_failed = False
+        self._interrupted = False
+        self._closed = True  # (until the engine is up: a failure while it starts is vLLM's to report)
         self.core = EngineCore(
             self.vllm_config, executor_class, log_stats=False, executor_fail_callback=self._on_worker_failure
         )
@@ -204,12 +209,12 @@ class ExtractionEngine:
         self.timings["busy_s"] += time.perf_counter() - t_prep
         expect = ({r: len(p) for r, p in zip(ids, prompts)}, busy, self.arena_slabs if self.lends_rows else 0)
         ahead = None
-        if self.announce == "ahead":  # the reply comes back in order, before the first step's
-            ahead = self.executor.collective_rpc("compat_capture_expect", args=expect, non_block=True)
-        else:
-            self.executor.collective_rpc("compat_capture_expect", args=expect)
-        self.timings["expect_s"] += time.perf_counter() - t_prep
         try:
+            if self.announce == "ahead":  # the reply comes back in order, before the first step's
+                ahead = self.executor.collective_rpc("compat_capture_expect", args=expect, non_block=True)
+            else:
+                self.executor.collective_rpc("compat_capture_expect", args=expect)
+            self.timings["expect_s"] += time.perf_counter() - t_prep
             check = self.self_check
             for rid, p in zip(ids, prompts):
                 self.core.add_request(self._make_request(rid, list(p), check))
@@ -225,10 +230,13 @@ class ExtractionEngine:
             self.timings["drive_s"] += t1 - t0
             self.timings["handoff_s"] += time.perf_counter() - t1
         except BaseException as e:
-            if self._worker_failed:
+            interrupted = isinstance(e, KeyboardInterrupt)
+            if interrupted:
+                self._interrupted = True  # (workers the same signal ended are no news: see _on_worker_failure)
+            if self._worker_died(wait_s=0.0 if interrupted else WORKER_DEATH_WAIT_S):
                 self._closed = True
                 self._cleanup_handoff()
-                if isinstance(e, KeyboardInterrupt):
+                if interrupted:
                     raise  # Ctrl-C / SIGTERM sent to the whole process group took the workers down too
                 raise WorkerDiedError(
                     "a vLLM worker process died during extraction; this engine is unusable. Outputs "
@@ -305,7 +313,27 @@ class ExtractionEngine:
 
     def _on_worker_failure(self) -> None:  # called by vLLM's worker monitor thread
         self._worker_failed = True
-        logger.error("speculators_compat: a vLLM worker process died")
+        # Ctrl-C or SIGTERM to the process group ends the workers too, and this thread can see it
+        # before the main thread's KeyboardInterrupt: give that a moment to mark the run interrupted
+        deadline = time.monotonic() + 1.0
+        while not (self._interrupted or self._closed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self._interrupted and not self._closed:
+            logger.error("speculators_compat: a vLLM worker process died")
+
+    def _worker_died(self, wait_s: float) -> bool:
+        """Whether a worker process is gone: vLLM's monitor thread says so, or a worker's process
+        has exited. The error a dead worker causes in the driver (its message queue "cancelled",
+        a broken pipe) can come before the monitor's word, so this looks at the processes too,
+        for up to ``wait_s`` (the monitor polls them)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            procs = [getattr(w, "proc", None) for w in getattr(self.executor, "workers", None) or ()]
+            if self._worker_failed or any(p is not None and p.exitcode is not None for p in procs):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def _abandon(self, ids: list[str]) -> None:
         try:

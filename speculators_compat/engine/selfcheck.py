@@ -129,7 +129,9 @@ def _argmax_problem(token, top_ids, top_logits, tol, stats) -> str | None:
         what = f"logit gap {gap:.4g}"
     else:
         what = f"not among our top {len(top_ids)}: logit gap > {top_logits[0] - top_logits[-1]:.4g}"
-    return f"vLLM sampled token {token}, its captured state's argmax is token {top_ids[0]} ({what}, tolerance {tol:.3g})"
+    return (
+        f"vLLM sampled token {token}, its captured state's argmax is token {top_ids[0]} ({what}, tolerance {tol:.3g})"
+    )
 
 
 def _logprob_problem(lp_ids, lp_vals, ours, tol, stats) -> str | None:

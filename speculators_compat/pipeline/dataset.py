@@ -189,6 +189,7 @@ class InputScan:
     max_token: tuple[int, int] | None = None  # (index, id) of the first sample holding the largest id
     no_loss_mask: int = 0  # samples without a loss_mask (all ones)
     identity: dict | None = None  # the input's files' (device, inode, size, mtime) when it was read
+    tokens: int | None = None  # of the samples a run reads, each cut to max_len (None: not counted)
 
     def record(self) -> dict:
         """What a later run over the same input (same fingerprint) can take instead of parsing it."""
@@ -200,6 +201,7 @@ class InputScan:
             "overlength": [list(x) for x in self.overlength],
             "max_token": list(self.max_token) if self.max_token else None,
             "no_loss_mask": self.no_loss_mask,
+            "tokens": self.tokens,
         }
 
     def check_vocab(self, vocab: int | None) -> None:
@@ -334,12 +336,13 @@ def scan_input(
                 max_token=top if n == known["samples"] else None,  # (a part: the engine checks its ids)
                 no_loss_mask=int(known.get("no_loss_mask") or 0),
                 identity=identity,
+                tokens=known.get("tokens") if n == known["samples"] else None,
             )
     samples = open_dataset(p)  # (checks what open_dataset checks: existence, a saved dataset's files)
-    count, over, top, no_mask = 0, [], None, 0
+    count, over, top, no_mask, tokens = 0, [], None, 0, 0
 
     def take(it: Iterator[Sample]) -> None:
-        nonlocal count, top, no_mask
+        nonlocal count, top, no_mask, tokens
         for s in it:
             if max_samples is not None and count >= max_samples:
                 break
@@ -349,6 +352,7 @@ def scan_input(
             if top is None or m > top[1]:
                 top = (s.index, m)
             no_mask += s.loss_mask is None
+            tokens += min(len(s.input_ids), max_len) if max_len is not None else len(s.input_ids)
             count += 1
 
     if p.is_dir():
@@ -374,6 +378,7 @@ def scan_input(
         max_token=top,
         no_loss_mask=no_mask,
         identity=identity,
+        tokens=tokens,
     )
 
 

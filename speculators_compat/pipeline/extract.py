@@ -247,6 +247,8 @@ def _run_locked(
         run_info["shard_size"] = shard_size
     if out.part.sharded:  # (likewise: absent means one engine)
         run_info["world_size"] = out.part.world_size
+    if total is not None:
+        out.check_total(total)
     known = (out.recorded().get("fingerprints") or {}).get("model")
     fingerprints = {"model": fingerprint_checkpoint(model, known), "input": scan.fingerprint}
     done = out.prepare(
@@ -261,6 +263,7 @@ def _run_locked(
         out.confirm({"dtype": asked}, record=False)
     owned = [i for i in range(total) if out.owns(i)]
     to_compute = sum(1 for i in owned if i not in done and i not in skip)
+    _check_free_space(out.root, scan, to_compute, len(ids_), limits.get("hidden_size"), gen_kwargs.get("dtype"))
     import torch  # (not before: the checks above need neither torch nor vLLM)
 
     from ..generator import token_tensor
@@ -393,7 +396,9 @@ def _run_locked(
                         (s.index, {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"], "loss_mask": lm})
                     )
                     stats["tokens"] += len(r["input_ids"])
-                    stats["hidden_size"] = int(r["hidden_states"][0].shape[-1])
+                    if "hidden_size" not in stats:  # (recorded: a later run with nothing to compute reports it)
+                        stats["hidden_size"] = int(r["hidden_states"][0].shape[-1])
+                        out.confirm({"hidden_size": stats["hidden_size"]})
                 stats["computed"] += len(keep)
                 stats["written_new"] += len(items)
                 stats["skipped_done"] += len(batch) - len(todo)
@@ -428,7 +433,7 @@ def _run_locked(
             "truncated": [i for i, _ in scan.overlength] if on_overlength == "truncate" else [],
             "skipped_overlength": sorted(skip),
             "versions": versions.report(),
-            "hidden_size": stats.get("hidden_size"),
+            "hidden_size": stats.get("hidden_size") or out.recorded().get("hidden_size"),
         }
         if fmt == "speculators-hs":  # (its trainer's config names them as vLLM does)
             extra["layer_ids_vllm"] = [i + 1 for i in ids_]
@@ -494,6 +499,31 @@ def _run_locked(
     finally:
         if own_generator and generator is not None:  # ours to close: its workers and /dev/shm arena go with it
             generator.close()
+
+
+def _check_free_space(root, scan, to_compute: int, layers: int, hidden: int | None, dtype) -> None:
+    """Refuse a run whose files cannot fit the output's free space (what ``plan`` prints as disk
+    needed: the samples left to compute, at the model's hidden size; 2-byte states unless float32
+    was asked for, so the estimate errs low). Unknown sizes (a hub id) are not checked."""
+    import shutil
+
+    from ..errors import OutputError
+    from .plan import disk_bytes_per_token
+
+    if not to_compute or not hidden or not scan.tokens or not scan.samples:
+        return
+    need = (
+        scan.tokens
+        * to_compute
+        // scan.samples
+        * disk_bytes_per_token(layers, hidden, 4 if dtype_name(dtype) == "float32" else 2)
+    )
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise OutputError(
+            f"the {to_compute:,} samples left to compute need about {need / 2**30:,.1f} GiB in {root}, which has "
+            f"{free / 2**30:,.1f} GiB free: free space, use an output on a larger disk, or --max-samples"
+        )
 
 
 WRITE_BOUND_SHARE = 0.1  # of the compute phase spent waiting for the writers ...

@@ -72,6 +72,7 @@ class OutputDir:
         self.sync_s = 0.0  # finalize's write-back of the filesystem, seconds
         self._lock_fd: int | None = None
         self._rank_fd: int | None = None
+        self._made_root = False  # (lock() made the directory: a refused run removes it again)
 
     def owns(self, index: int) -> bool:
         return self.part.owns(index, self.unit)
@@ -97,6 +98,7 @@ class OutputDir:
         Also proves the directory writable before anything else happens."""
         import fcntl
 
+        self._made_root = not self.root.exists()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -150,6 +152,14 @@ class OutputDir:
         return fd
 
     def unlock(self) -> None:
+        if self._lock_fd is not None and not self.part.sharded and not (self.root / "run.json").exists():
+            # a run refused before it made this an output (another's files, bad input): leave no trace
+            for n in (".lock", ".run.lock"):
+                with contextlib.suppress(FileNotFoundError):
+                    (self.root / n).unlink()
+            if self._made_root:
+                with contextlib.suppress(OSError):
+                    self.root.rmdir()  # (only if empty)
         for name in ("_rank_fd", "_lock_fd"):
             fd = getattr(self, name)
             if fd is not None:
@@ -238,6 +248,7 @@ class OutputDir:
                     continue  # (another rank's file in flight)
                 logger.info("removing partial file %s from an interrupted run", p.name)
                 p.unlink()
+        self._drop_torn_record()
         manifest = self.root / "manifest.json"
         marker = self.records / "done.json" if self.part.sharded else manifest
         records = self.checksum_records()
@@ -257,6 +268,36 @@ class OutputDir:
             if i is not None and self.owns(i):
                 done.add(i)
         return done
+
+    def _drop_torn_record(self) -> None:
+        """A run killed while it appended to checksums.jsonl leaves a torn last line; the next
+        record would be appended to it and be lost with it. Cut it off (its file, now unrecorded,
+        is computed again)."""
+        f = self.records / "checksums.jsonl"
+        try:
+            data = f.read_bytes()
+        except FileNotFoundError:
+            return
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            logger.warning("%s: dropping a torn last record (%d bytes) left by an interrupted run", f, len(data) - keep)
+            with open(f, "r+b") as fh:
+                fh.truncate(keep)
+
+    def check_total(self, total: int) -> None:
+        """Refuse a run that reads fewer samples than this output holds files for (a smaller
+        ``--max-samples`` over a larger dataset): its manifest would leave those files out."""
+        if self.shard_size > 1:
+            return
+        beyond = sorted(
+            i for p in self.root.iterdir() if (i := data_file_index(p.name, self.fmt)) is not None and i >= total
+        )
+        if beyond:
+            raise OutputError(
+                f"{self.root} holds files of {len(beyond)} sample(s) at index {total} and above (up to "
+                f"{beyond[-1]}), but this run reads {total}: it would leave them out of the dataset. "
+                "Leave out --max-samples (or give the earlier one), or use a new --output"
+            )
 
     def _holds_samples(self) -> bool:
         """Whether any run wrote a sample here (a data file or shard, partial or whole, a record, or
@@ -279,6 +320,10 @@ class OutputDir:
         """What only the engine settles (the dtype: "auto" resolved by the engine, an explicit one
         checked before it starts) must match what run.json recorded; with ``record``, a first run
         records it."""
+        with self._run_json_lock():  # (the ranks of a sharded run record into one run.json)
+            self._confirm(engine_info, record)
+
+    def _confirm(self, engine_info: dict, record: bool) -> None:
         run_file = self.root / "run.json"
         old = json.loads(run_file.read_text())
         diff = {k: (old[k], v) for k, v in engine_info.items() if k in old and old[k] != v}

@@ -67,10 +67,28 @@ class _QueueBar:
     def close(self) -> None: ...
 
 
+def _stop_with_parent() -> None:
+    """Have this engine process sent SIGTERM when the command that started it dies, however it
+    dies (kill -9 included): SIGTERM shuts the engine down as Ctrl-C does (its files complete, its
+    workers and arena gone), where an orphan would run on to the end, holding its GPUs. Linux's
+    PR_SET_PDEATHSIG; a parent already gone before it was set is seen by its pid."""
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError) as e:  # (not Linux: the engine outlives a killed command there)
+        logger.warning("cannot tie this engine's life to its command's (%s)", e)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _engine_main(
     d: int, rank: int, world: int, env: dict[str, str], cpus: list[int], kwargs: dict[str, Any], q
 ) -> None:
     """One data-parallel engine (a spawned process): its devices, then run_extract for its rank."""
+    _stop_with_parent()
     os.environ.update(env)
     if hasattr(os, "sched_setaffinity"):  # (before vLLM starts its workers: they inherit it)
         os.sched_setaffinity(0, set(cpus))

@@ -138,6 +138,11 @@ def count_params(cfg: dict) -> dict[str, Any]:
     return {"groups": groups, "is_mla": is_mla, "hidden": h, "layers": n}
 
 
+def disk_bytes_per_token(layers: int, hidden: int, dtype_bytes: int) -> int:
+    """What a token costs on the output disk: its hidden states, plus int64 input_ids and loss_mask."""
+    return layers * hidden * dtype_bytes + 8 + 8
+
+
 def make_plan(
     model: str,
     *,
@@ -212,7 +217,7 @@ def make_plan(
     ds = None
     if total_tokens is None and num_samples and avg_tokens:
         total_tokens = int(num_samples * avg_tokens)
-    per_token_disk = hidden_per_token + 8 + 8  # + int64 input_ids and loss_mask
+    per_token_disk = disk_bytes_per_token(len(ids), h, dtype_bytes)
     if total_tokens:
         ds = {
             "samples": num_samples,

@@ -82,7 +82,10 @@ class _Shard:
     def run(self, rank: int, world_size: int, kwargs: dict[str, Any], board) -> dict:
         import speculators_compat  # noqa: F401  (the patches, in this worker process too)
 
+        from ..engine.shm import sweep_orphan_shm
         from .extract import run_extract
+
+        sweep_orphan_shm()  # (an earlier attempt's engine, killed on this host, left its shared memory)
 
         return run_extract(
             rank=rank, world_size=world_size, progress=lambda total: _BoardBar(board, rank, total), **kwargs
@@ -113,15 +116,23 @@ def run_on_ray(
     process is connected to, else a local instance; "auto": the running cluster); ``shards``
     None: one per TP group of the cluster's GPUs (one on a cluster without GPUs). Returns one
     summary (as run_data_parallel's) with ``retries``: the shards started again."""
+    from ..engine.shm import sweep_orphan_shm
+
     ray = _import_ray()
     own = not ray.is_initialized()
     if own:
         ray.init(address=address, log_to_driver=True)
     try:
         return _run(ray, model, input_path, output, shards, progress, extract_kwargs)
+    except ray.exceptions.RayError as e:  # (the cluster itself: a node lost, the progress actor with it)
+        raise ShardFailedError(
+            f"the Ray cluster failed under the run ({_reason(e)}). Every file written is complete: run "
+            "the same command again to resume"
+        ) from None
     finally:
         if own:
             ray.shutdown()
+        sweep_orphan_shm()  # (what the shards' engines killed on this host left in /dev/shm)
 
 
 def _run(ray, model, input_path, output, shards, progress, extract_kwargs) -> dict[str, Any]:

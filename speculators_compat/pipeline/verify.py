@@ -59,10 +59,16 @@ def verify_output(root: str | Path) -> dict:
     for rec in (dataset or {}).get("files", []):  # (speculators-hs: its input_ids/loss_mask dataset)
         if problem := _check_file(root / dataset["path"], rec):
             problems.append(f"dataset file {problem}")
+    unrecorded = []  # (a run still writing, or stopped: a file renamed in just before its record)
     for p in sorted(root.iterdir()):
         if (data_file_index(p.name) is not None or SHARD_FILE_RE.match(p.name)) and p.name not in listed:
-            problems.append(f"{p.name}: on disk but not listed in {source}")
+            if source == "manifest.json":
+                problems.append(f"{p.name}: on disk but not listed in {source}")
+            else:
+                unrecorded.append(p.name)
     res = {"source": source, "checked": len(records), "problems": problems, "ok": not problems}
+    if unrecorded:
+        res["unrecorded"] = unrecorded
     res.update(_completeness(root, records, finished=source == "manifest.json"))
     return res
 
@@ -178,7 +184,7 @@ def finalize_output(root: str | Path) -> dict:
             "truncated": overlength if run.get("on_overlength") == "truncate" else [],
             "skipped_overlength": run.get("skipped_overlength") or [],
             "versions": versions.report(),
-            "hidden_size": None,
+            "hidden_size": run.get("hidden_size"),
         }
     out.finalize(run["samples"], extra)
     return verify_output(root)
@@ -191,6 +197,10 @@ def main_verify(args) -> int:
     else:
         for line in res["problems"]:
             print(f"BAD  {line}")
+        for name in res.get("unrecorded", []):
+            print(
+                f"NOTE {name}: on disk but not yet in checksums.jsonl (written as the run stopped): the next run writes it again"
+            )
         head = "OK" if res["ok"] and res["complete"] else "FAILED" if not res["ok"] else "INCOMPLETE"
         print(f"{head}: {res['checked']} files checked against {res['source']}, {len(res['problems'])} problem(s)")
         if res["ok"] and not res["complete"]:

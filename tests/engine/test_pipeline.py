@@ -315,8 +315,8 @@ def test_bad_pipeline_inputs(gen, llama_path, tmp_path):
         on_overlength="skip",
     )
     assert s["skipped_overlength"] == 1 and not (tmp_path / "o3" / "data_12.pt").exists()
-    # a token id outside the vocabulary: the sample (not its place in the batch) is named, and the
-    # batches written before it are kept
+    # a token id outside the vocabulary: the sample (not its place in the batch) is named, before
+    # the first batch (config.json's vocab_size)
     rows = [{"input_ids": [1, 2, 3]}] * 5 + [{"input_ids": [4, models.VOCAB + 9]}]
     (tmp_path / "vocab.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(
@@ -326,7 +326,7 @@ def test_bad_pipeline_inputs(gen, llama_path, tmp_path):
         run_extract(
             llama_path, str(tmp_path / "vocab.jsonl"), str(tmp_path / "o4"), generator=gen, progress=False, batch_size=4
         )
-    assert sorted(p.name for p in (tmp_path / "o4").glob("data_*.pt")) == [f"data_{i}.pt" for i in range(4)]
+    assert sorted(p.name for p in (tmp_path / "o4").glob("data_*.pt")) == []
 
 
 @pytest.mark.ends
@@ -472,16 +472,24 @@ def test_truncation_is_said_naming_the_samples(gen, llama_path, tmp_path, caplog
 
 
 def test_verify_says_an_unfinished_run_is_incomplete(gen, llama_path, tmp_path, capsys):
-    """A run that stopped part-way (here at a token id outside the vocabulary, in its second batch):
-    verify said OK; it says INCOMPLETE, with how many samples are missing, and exits 3."""
+    """A run that stopped part-way (here after its first batch): verify said OK; it says
+    INCOMPLETE, with how many samples are missing, and exits 3."""
     from speculators_compat.cli import main
-    from speculators_compat.pipeline.dataset import DatasetError
 
-    rows = [{"input_ids": [1, 2, 3]}] * 5 + [{"input_ids": [4, models.VOCAB + 9]}] + [{"input_ids": [7, 8]}] * 3
+    class StopAfterFirstBatch(_RewriteAfter):
+        def update(self, k):
+            raise RuntimeError("stopped")
+
+    rows = [{"input_ids": [1, 2, 3]}] * 5 + [{"input_ids": [4, 9]}] + [{"input_ids": [7, 8]}] * 3
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DatasetError):
+    with pytest.raises(RuntimeError, match="stopped"):
         run_extract(
-            llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "out"), generator=gen, progress=False, batch_size=4
+            llama_path,
+            str(tmp_path / "in.jsonl"),
+            str(tmp_path / "out"),
+            generator=gen,
+            progress=StopAfterFirstBatch(tmp_path / "in.jsonl", 0),
+            batch_size=4,
         )
     capsys.readouterr()
     assert main(["verify", str(tmp_path / "out")]) == 3
@@ -531,3 +539,30 @@ def test_an_input_rewritten_during_the_run_stops_it(gen, llama_path, tmp_path):
     assert len(list(out.glob("data_*.pt"))) <= 4  # the batches read before the change, at most
     with pytest.raises(OutputError, match=r"holds a different run \(input .*in.jsonl: the input.s size changed"):
         run_extract(llama_path, str(inp), str(out), batch_size=2, generator=gen, progress=False)
+
+
+def test_a_rerun_with_nothing_to_do_keeps_the_manifest(gen, llama_path, tmp_path, capsys):
+    """A no-op rerun and `verify --finalize` write the manifest an uninterrupted run wrote (its
+    hidden_size too); a smaller --max-samples over the finished output is refused and changes nothing."""
+    from speculators_compat.cli import main
+    from speculators_compat.errors import OutputError
+    from speculators_compat.pipeline.extract import run_extract
+
+    make_jsonl(tmp_path / "in.jsonl", lengths=[30] * 6, seed=4)
+    out = tmp_path / "out"
+    args = (llama_path, str(tmp_path / "in.jsonl"), str(out))
+    run_extract(*args, batch_size=2, generator=gen, progress=False)
+    first = json.loads((out / "manifest.json").read_text())
+    assert first["hidden_size"] == 128
+    s = run_extract(*args, batch_size=2, generator=gen, progress=False)
+    assert s["computed"] == 0
+    again = json.loads((out / "manifest.json").read_text())
+    assert {k: v for k, v in again.items() if k != "versions"} == {k: v for k, v in first.items() if k != "versions"}
+    (out / "manifest.json").unlink()
+    assert main(["verify", str(out), "--finalize"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["hidden_size"] == 128
+    lengths = (out / "sample_lengths.json").read_text()
+    with pytest.raises(OutputError, match=r"holds files of 2 sample\(s\) at index 4 and above"):
+        run_extract(*args, batch_size=2, generator=gen, progress=False, max_samples=4)
+    assert json.loads((out / "manifest.json").read_text())["num_files"] == 6
+    assert (out / "sample_lengths.json").read_text() == lengths

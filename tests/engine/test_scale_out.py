@@ -263,3 +263,32 @@ def test_ray_two_shards_one_retried_after_its_actor_is_killed(one_engine):
     assert s["retries"] == {"1": 1} and s["dataset_complete"] is True, s
     assert "Ray shard 1 of 2" in e and "attempt 2 of 3" in e
     _same_dataset(out, ref)
+
+
+def test_data_parallel_engines_stop_when_their_command_is_killed(one_engine):
+    """kill -9 of the `--data-parallel-size` command: its engines stop with it (SIGTERM from the
+    kernel, shut down as on Ctrl-C: their files complete), instead of running on as orphans that
+    hold the devices and refuse the restart."""
+    psutil = pytest.importorskip("psutil")
+    args, ref, _, d = one_engine
+    out = d / "dp-orphans"
+    cmd = args + ["--output", str(out), "--data-parallel-size", "2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
+    try:
+        assert _wait_for(lambda: len(list(out.glob("data_*.pt"))) >= 1, p), "no engine wrote a file"
+        engines = psutil.Process(p.pid).children(recursive=True)
+        assert engines
+        p.kill()
+        p.wait(30)
+        gone, alive = psutil.wait_procs(engines, timeout=90)
+        assert not alive, f"{len(alive)} process(es) of the killed command still run: {[q.pid for q in alive]}"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        for q in psutil.Process().children(recursive=True):
+            if q.pid != os.getpid() and "speculators_compat" in " ".join(q.cmdline() or []):
+                q.kill()
+    assert _verify(out).returncode == 3  # what they wrote before they stopped is intact
+    r = _cli(cmd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_dataset(out, ref)

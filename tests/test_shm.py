@@ -1,0 +1,61 @@
+"""Shared memory left by engines killed with SIGKILL (engine/shm.py): a real ``SharedMemory`` made
+by a process that is then killed stays in /dev/shm; the sweep removes it, and leaves alone one a
+live process maps, one another process holds open, and a fresh one."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from speculators_compat.engine.shm import sweep_orphan_shm
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir("/dev/shm") or not os.path.isdir("/proc/self/fd"), reason="Linux only"
+)
+
+MAKE = """
+import sys, time
+from multiprocessing import shared_memory, resource_tracker
+m = shared_memory.SharedMemory(create=True, size=1 << 20)
+resource_tracker.unregister(m._name, "shared_memory")  # (as vLLM's queues: no tracker to clean up)
+print(m.name, flush=True)
+time.sleep(600)
+"""
+
+
+def _make(keep_mapped: bool):
+    p = subprocess.Popen([sys.executable, "-c", MAKE], stdout=subprocess.PIPE, text=True)
+    name = p.stdout.readline().strip().lstrip("/")
+    if not keep_mapped:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    return p, name
+
+
+def test_a_killed_engines_shared_memory_is_removed_and_live_ones_stay():
+    dead_p, dead = _make(keep_mapped=False)
+    live_p, live = _make(keep_mapped=True)
+    opened = None
+    try:
+        _, held = _make(keep_mapped=False)
+        opened = os.open(f"/dev/shm/{held}", os.O_RDONLY)  # (open, not mapped: still in use)
+        assert os.path.exists(f"/dev/shm/{dead}")  # SIGKILL left it
+        assert dead not in sweep_orphan_shm(min_age_s=60)  # too fresh to judge
+        past = time.time() - 120
+        for n in (dead, live, held):
+            os.utime(f"/dev/shm/{n}", (past, past))
+        removed = sweep_orphan_shm()
+        assert dead in removed and not os.path.exists(f"/dev/shm/{dead}")
+        assert live not in removed and os.path.exists(f"/dev/shm/{live}")
+        assert held not in removed and os.path.exists(f"/dev/shm/{held}")
+    finally:
+        live_p.kill()
+        live_p.wait()
+        if opened is not None:
+            os.close(opened)
+        for n in (live, dead, locals().get("held")):
+            if n and os.path.exists(f"/dev/shm/{n}"):
+                os.unlink(f"/dev/shm/{n}")
