@@ -23,6 +23,7 @@ from ..errors import TokenIdError
 from .checksums import check_checksum
 from .dataset import DatasetError, Sample, check_unchanged, open_dataset, scan_input
 from .outdir import OutputDir
+from .preflight import check_free_space, dtype_name, warn_overlength
 from .procwriter import ProcessWriter
 from .progress import progress_bar
 from .ranks import forget_launcher_env, partition_unit, pick_local_devices, resolve_part
@@ -31,14 +32,6 @@ from .shards import ShardWriter, check_shard_size
 from .writers import BackgroundWriter
 
 WRITER_MODES = ("auto", "thread", "process")
-#: --dtype spellings vLLM takes, by the torch dtype they name (what run.json records)
-DTYPE_NAMES = {"float32": ("float32", "float"), "float16": ("float16", "half"), "bfloat16": ("bfloat16",)}
-
-
-def dtype_name(dtype) -> str | None:
-    """The torch dtype name an explicit ``dtype`` asks for (None: "auto", unset, or unknown)."""
-    name = str(dtype).replace("torch.", "") if dtype is not None else ""
-    return next((k for k, names in DTYPE_NAMES.items() if name in names), None)
 
 
 def _gpu_host() -> bool:
@@ -159,18 +152,6 @@ def run_extract(
         out.unlock()
 
 
-def _warn_overlength(over: list[tuple[int, int]], max_len: int, action: str) -> None:
-    shown = ", ".join(f"sample {i} ({n:,} tokens)" for i, n in over[:20])
-    logger.warning(
-        "%d sample(s) longer than max_model_len - 1 = %d tokens will be %s: %s%s",
-        len(over),
-        max_len,
-        action,
-        shown,
-        " ..." if len(over) > 20 else "",
-    )
-
-
 def _run_locked(
     out: OutputDir,
     model: str,
@@ -228,7 +209,7 @@ def _run_locked(
             scan.samples,
         )
     if scan.overlength:
-        _warn_overlength(
+        warn_overlength(
             scan.overlength, max_len, "truncated to that length" if on_overlength == "truncate" else "skipped (no file)"
         )
     skip = {i for i, _ in scan.overlength} if on_overlength == "skip" else set()
@@ -263,7 +244,7 @@ def _run_locked(
         out.confirm({"dtype": asked}, record=False)
     owned = [i for i in range(total) if out.owns(i)]
     to_compute = sum(1 for i in owned if i not in done and i not in skip)
-    _check_free_space(out.root, scan, to_compute, len(ids_), limits.get("hidden_size"), gen_kwargs.get("dtype"))
+    check_free_space(out.root, scan, to_compute, len(ids_), limits.get("hidden_size"), gen_kwargs.get("dtype"))
     import torch  # (not before: the checks above need neither torch nor vLLM)
 
     from ..generator import token_tensor
@@ -499,31 +480,6 @@ def _run_locked(
     finally:
         if own_generator and generator is not None:  # ours to close: its workers and /dev/shm arena go with it
             generator.close()
-
-
-def _check_free_space(root, scan, to_compute: int, layers: int, hidden: int | None, dtype) -> None:
-    """Refuse a run whose files cannot fit the output's free space (what ``plan`` prints as disk
-    needed: the samples left to compute, at the model's hidden size; 2-byte states unless float32
-    was asked for, so the estimate errs low). Unknown sizes (a hub id) are not checked."""
-    import shutil
-
-    from ..errors import OutputError
-    from .plan import disk_bytes_per_token
-
-    if not to_compute or not hidden or not scan.tokens or not scan.samples:
-        return
-    need = (
-        scan.tokens
-        * to_compute
-        // scan.samples
-        * disk_bytes_per_token(layers, hidden, 4 if dtype_name(dtype) == "float32" else 2)
-    )
-    free = shutil.disk_usage(root).free
-    if need > free:
-        raise OutputError(
-            f"the {to_compute:,} samples left to compute need about {need / 2**30:,.1f} GiB in {root}, which has "
-            f"{free / 2**30:,.1f} GiB free: free space, use an output on a larger disk, or --max-samples"
-        )
 
 
 WRITE_BOUND_SHARE = 0.1  # of the compute phase spent waiting for the writers ...

@@ -1,0 +1,53 @@
+"""Checks ``extract`` makes before an engine starts that need neither torch nor vLLM: the dtype a
+``--dtype`` names, the disk space the run needs, the over-long samples it will cut or skip."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+from ..errors import OutputError
+from .plan import disk_bytes_per_token
+
+logger = logging.getLogger("speculators_compat.pipeline")
+
+#: --dtype spellings vLLM takes, by the torch dtype they name (what run.json records)
+DTYPE_NAMES = {"float32": ("float32", "float"), "float16": ("float16", "half"), "bfloat16": ("bfloat16",)}
+
+
+def dtype_name(dtype) -> str | None:
+    """The torch dtype name an explicit ``dtype`` asks for (None: "auto", unset, or unknown)."""
+    name = str(dtype).replace("torch.", "") if dtype is not None else ""
+    return next((k for k, names in DTYPE_NAMES.items() if name in names), None)
+
+
+def check_free_space(root, scan, to_compute: int, layers: int, hidden: int | None, dtype) -> None:
+    """Refuse a run whose files cannot fit the output's free space (what ``plan`` prints as disk
+    needed: the samples left to compute, at the model's hidden size; 2-byte states unless float32
+    was asked for, so the estimate errs low). Unknown sizes (a hub id) are not checked."""
+    if not to_compute or not hidden or not scan.tokens or not scan.samples:
+        return
+    need = (
+        scan.tokens
+        * to_compute
+        // scan.samples
+        * disk_bytes_per_token(layers, hidden, 4 if dtype_name(dtype) == "float32" else 2)
+    )
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise OutputError(
+            f"the {to_compute:,} samples left to compute need about {need / 2**30:,.1f} GiB in {root}, which has "
+            f"{free / 2**30:,.1f} GiB free: free space, use an output on a larger disk, or --max-samples"
+        )
+
+
+def warn_overlength(over: list[tuple[int, int]], max_len: int, action: str) -> None:
+    shown = ", ".join(f"sample {i} ({n:,} tokens)" for i, n in over[:20])
+    logger.warning(
+        "%d sample(s) longer than max_model_len - 1 = %d tokens will be %s: %s%s",
+        len(over),
+        max_len,
+        action,
+        shown,
+        " ..." if len(over) > 20 else "",
+    )
