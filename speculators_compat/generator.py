@@ -18,6 +18,7 @@ from .engine.core import ExtractionEngine
 from .errors import CaptureError, CheckpointError, TokenIdError
 from .host import cuda_device_count
 from .layers import default_layer_ids, normalize_layer_ids, read_num_layers
+from .layers import resolve as resolve_layers
 
 logger = logging.getLogger("speculators_compat")
 
@@ -160,7 +161,7 @@ class VllmHiddenStatesGenerator:
         check_checkpoint(model_path)  # a damaged or missing file named now, not as a worker's start-up failure
         num_layers = read_num_layers(model_path, trust_remote_code)
         self.num_layers = num_layers
-        self.layer_ids = normalize_layer_ids(layer_ids, num_layers, layer_id_convention)
+        self.layer_ids = resolve_layers(layer_ids, num_layers, layer_id_convention)
         self.layer_id_convention = layer_id_convention
         opts = EngineOptions(
             model=model_path,

@@ -103,3 +103,21 @@ def normalize_layer_ids(
     if bad:
         raise ValueError(f"Layer index {bad[0]} out of bounds [0, {num_layers - 1}]")
     return ids
+
+
+def resolve(
+    layer_ids: Sequence[int] | None,
+    num_layers: int,
+    convention: str | None = None,
+    fmt: str | None = None,
+) -> list[int]:
+    """The one rule for which layers a run captures, in upstream's convention (what the engine and
+    the files use). ``convention`` None: ``eagle3`` (vLLM's, speculators >= 0.5's) for
+    ``--format speculators-hs``, else ``upstream``. No ids: speculators >= 0.5's default for that
+    format (a model under 6 layers repeats an id there, as speculators' own default does), else
+    upstream's. ``extract``, ``plan``, ``--dry-run`` and the generator all ask this."""
+    native = fmt == "speculators-hs"
+    convention = convention or ("eagle3" if native else "upstream")
+    if layer_ids is None and native:
+        return normalize_layer_ids(native_default_layer_ids(num_layers), num_layers, "eagle3", allow_duplicates=True)
+    return normalize_layer_ids(layer_ids, num_layers, convention)

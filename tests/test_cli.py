@@ -145,3 +145,34 @@ def test_doctor_says_what_applies_to_the_installed_speculators(installed, says):
     from speculators_compat.report import speculators_path
 
     assert says in speculators_path(installed)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        ("plan", "--layer-ids", "1,61", "--layer-id-convention", "eagle3"),
+        ("extract", "--format", "speculators-hs", "--layer-ids", "1,61", "--dry-run"),
+        ("plan", "--layer-ids", "0,60"),
+    ],
+)
+def test_plan_and_dry_run_resolve_layer_ids_as_extract_does(tmp_path, how):
+    """One rule (layers.resolve) for extract, plan and --dry-run: the eagle3 convention (the last
+    layer is id n) and --format speculators-hs's default convention. Kimi-K2.5 has 61 layers."""
+    cmd, *rest = how
+    if cmd == "extract":  # (--dry-run prints the plan as text)
+        (tmp_path / "x.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+        r = cli(cmd, "--model", "examples/kimi_k25", *rest, "--input", str(tmp_path / "x.jsonl"), "--output", "o")
+        assert r.returncode == 0, r.stderr
+        assert "capture layer ids [0, 60]" in r.stdout  # (upstream's convention, which the files use)
+        return
+    r = cli(cmd, "--model", "examples/kimi_k25", *rest, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["layer_ids"] == [0, 60]
+
+
+def test_dry_run_of_speculators_hs_takes_its_default_layers():
+    from speculators_compat.layers import resolve
+
+    assert resolve(None, 61, None, "speculators-hs") == [1, 29, 57, 60]  # speculators >= 0.5's [2, 30, 58, 61]
+    assert resolve(None, 61, None, "pt") == [2, 30, 58, 60]  # upstream's
+    assert resolve(None, 4, None, "speculators-hs") == [1, 1, 0, 3]  # (a tiny model repeats one, as speculators does)

@@ -174,7 +174,8 @@ def _run_locked(
     gen_kwargs,
 ) -> dict[str, Any]:
     from ..checkpoint import check_checkpoint, check_max_model_len, fingerprint_checkpoint, model_limits
-    from ..layers import native_default_layer_ids, normalize_layer_ids, read_num_layers
+    from ..layers import read_num_layers
+    from ..layers import resolve as resolve_layers
 
     t0 = time.time()
     # -- before any engine: the model's files, the whole input, the output's record --------------
@@ -184,13 +185,7 @@ def _run_locked(
         check_max_model_len(gen_kwargs.get("max_model_len"), limits, model)
     if generator is None:
         n_layers = read_num_layers(model, bool(gen_kwargs.get("trust_remote_code")))
-        # speculators >= 0.5 names layers as vLLM does (id k: the output of k layers), the last included
-        native = fmt == "speculators-hs"
-        convention = layer_id_convention or ("eagle3" if native else "upstream")
-        default_native = layer_ids is None and native
-        if default_native:  # (a model under 6 layers repeats an id there, as speculators' own default does)
-            layer_ids, convention = native_default_layer_ids(n_layers), "eagle3"
-        ids_ = normalize_layer_ids(layer_ids, n_layers, convention, allow_duplicates=default_native)
+        ids_ = resolve_layers(layer_ids, n_layers, layer_id_convention, fmt)
         max_len = int(gen_kwargs.get("max_model_len") or 2048) - 1
     else:
         ids_, max_len = list(generator.layer_ids), generator.engine.max_model_len - 1

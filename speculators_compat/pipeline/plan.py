@@ -160,8 +160,10 @@ def make_plan(
     queue_size: int = 2,
     max_batch_tokens: int | None = None,
     parts: int = 1,
+    layer_id_convention: str | None = None,
+    fmt: str | None = None,
 ) -> Plan:
-    from ..layers import default_layer_ids, normalize_layer_ids
+    from ..layers import resolve as resolve_layers
 
     cfg_path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
     if not cfg_path.is_file():
@@ -171,7 +173,7 @@ def make_plan(
     info = count_params(cfg)
     tp = tensor_parallel_size
     h, n = info["hidden"], info["layers"]
-    ids = normalize_layer_ids(layer_ids, n) if layer_ids else default_layer_ids(n)
+    ids = resolve_layers(layer_ids, n, layer_id_convention, fmt)
     qbits, _ignore, qdesc = _quant(cfg)
     total = quant = 0
     wbytes_total = wbytes_gpu = 0.0
@@ -351,6 +353,8 @@ def main_plan(args) -> int:
         queue_size=getattr(args, "queue_size", 2),
         max_batch_tokens=max_batch if getattr(args, "input", None) else None,
         parts=(getattr(args, "world_size", None) or 1) * (getattr(args, "data_parallel_size", None) or 1),
+        layer_id_convention=getattr(args, "layer_id_convention", None),
+        fmt=getattr(args, "format", None),
     )
     print(json.dumps(asdict(p), indent=2) if getattr(args, "json", False) else format_plan(p))
     return 0
