@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from speculators_compat import versions
     from speculators_compat.pipeline.extract import run_extract
-    from speculators_compat.pipeline.parallel import run_data_parallel
+    from speculators_compat.pipeline.scale.parallel import run_data_parallel
     from speculators_compat.testing import models
 
     path = a.model if os.path.isdir(a.model) else str(models.build(a.model))

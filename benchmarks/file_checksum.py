@@ -31,8 +31,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from speculators_compat.pipeline import crc
-    from speculators_compat.pipeline import files as writer
+    from speculators_compat.pipeline.output import crc
+    from speculators_compat.pipeline.output import files as writer
 
     g = torch.Generator().manual_seed(0)
     sample = {

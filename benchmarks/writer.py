@@ -44,9 +44,9 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from speculators_compat.engine import arena as wk
     from speculators_compat.engine import handoff
-    from speculators_compat.pipeline.outdir import OutputDir
-    from speculators_compat.pipeline.procwriter import ProcessWriter, shutdown_writer_pool
-    from speculators_compat.pipeline.writers import BackgroundWriter
+    from speculators_compat.pipeline.output.outdir import OutputDir
+    from speculators_compat.pipeline.writers.processes import ProcessWriter, shutdown_writer_pool
+    from speculators_compat.pipeline.writers.threads import BackgroundWriter
 
     g = torch.Generator().manual_seed(0)
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         od = OutputDir(out, "pt")
         od.prepare({"bench": True})
         if kind == "process":  # start (or resize) the process pool outside the timing
-            from speculators_compat.pipeline.procwriter import writer_pool
+            from speculators_compat.pipeline.writers.processes import writer_pool
 
             writer_pool(n)
         t = time.perf_counter()

@@ -29,7 +29,7 @@ def pipeline_files_vs_hf(gen, path, layers, work, device="cuda", n=96, batch=16,
     import torch
 
     from speculators_compat.pipeline.extract import run_extract
-    from speculators_compat.pipeline.verify import verify_output
+    from speculators_compat.pipeline.output.verify import verify_output
     from speculators_compat.testing import models, reference
 
     lengths = [(37 * i * i + 5) % 2000 + 5 for i in range(n)]  # 5..2004: some span several steps

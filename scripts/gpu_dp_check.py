@@ -16,7 +16,7 @@ from pathlib import Path
 def main() -> None:
     out = Path(sys.argv[1])
     from speculators_compat.pipeline.extract import run_extract
-    from speculators_compat.pipeline.parallel import run_data_parallel
+    from speculators_compat.pipeline.scale.parallel import run_data_parallel
     from speculators_compat.testing import models
 
     path = str(models.build("llama-1b"))

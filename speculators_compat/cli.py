@@ -50,7 +50,7 @@ def _plan(args) -> int:
 
 
 def _verify(args) -> int:
-    from .pipeline.verify import main_verify
+    from .pipeline.output.verify import main_verify
 
     return main_verify(args)
 

@@ -8,7 +8,7 @@ import pytest
 
 from speculators_compat.errors import OutputError
 from speculators_compat.pipeline.dataset import DatasetError, open_dataset
-from speculators_compat.pipeline.outdir import OutputDir
+from speculators_compat.pipeline.output.outdir import OutputDir
 
 
 def write_jsonl(path, rows):
@@ -102,11 +102,11 @@ def test_dataset_saved_by_datasets_reads_as_datasets_does(tmp_path):
 def test_saved_dataset_is_counted_from_its_rows_not_its_info(tmp_path):
     # dataset_info.json still says 50 (the JSON file's split): the progress bar's total and the
     # short-last-shard decision on resume were taken from it
-    from speculators_compat.pipeline.reading import count_samples
+    from speculators_compat.pipeline.dataset import count_arrow_rows
 
     _, saved = _saved_derived_dataset(tmp_path)
     assert json.loads((saved / "dataset_info.json").read_text())["splits"]["train"]["num_examples"] == 50
-    assert count_samples(saved) == 10
+    assert count_arrow_rows(saved) == 10
 
 
 def test_saved_dataset_with_torch_format_int32_ids_and_bool_mask(tmp_path):
@@ -144,14 +144,14 @@ def test_broken_saved_dataset_is_refused_before_any_sample(tmp_path, state, text
 
 def test_damaged_arrow_file_is_named(tmp_path):
     pytest.importorskip("pyarrow")
-    from speculators_compat.pipeline.reading import count_samples
+    from speculators_compat.pipeline.dataset import count_arrow_rows
 
     (tmp_path / "data-00000-of-00001.arrow").write_bytes(b"\xff\xff\xff\xff not arrow at all" * 4)
     (tmp_path / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
     with pytest.raises(DatasetError, match="data-00000-of-00001.arrow: not a readable Arrow stream"):
         list(open_dataset(tmp_path))
     with pytest.raises(DatasetError, match="not a readable Arrow stream"):
-        count_samples(tmp_path)
+        count_arrow_rows(tmp_path)
 
 
 def finished_file(root, name: str, data: bytes, index: int | None = None) -> None:
@@ -213,7 +213,7 @@ def test_partial_files_dropped_and_done_detected(tmp_path):
 def test_writer_failure_surfaces_and_keeps_written_files(tmp_path, mocker):
     """A full disk cannot be produced here: the write itself is the seam we replace (ENOSPC)."""
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writers as w
+    from speculators_compat.pipeline.writers import threads as w
 
     out = OutputDir(tmp_path)
     out.prepare({"m": 1})
@@ -246,7 +246,7 @@ def test_parallel_writer_writes_every_file_with_its_checksum(tmp_path, threads):
     import json
     import zlib
 
-    from speculators_compat.pipeline import writers as w
+    from speculators_compat.pipeline.writers import threads as w
 
     out = OutputDir(tmp_path)
     out.prepare({"m": 1})
@@ -275,7 +275,7 @@ def test_parallel_writer_writes_every_file_with_its_checksum(tmp_path, threads):
 
 
 def test_writer_threads_must_be_positive(tmp_path):
-    from speculators_compat.pipeline import writers as w
+    from speculators_compat.pipeline.writers import threads as w
 
     out = OutputDir(tmp_path)
     out.prepare({"m": 1})
@@ -285,7 +285,7 @@ def test_writer_threads_must_be_positive(tmp_path):
 
 def test_default_writer_threads_scale_with_cpus(monkeypatch):
     from speculators_compat import host
-    from speculators_compat.pipeline import writers as writer
+    from speculators_compat.pipeline.writers import threads as writer
 
     for cpus, want in [(1, 1), (2, 2), (4, 2), (16, 8), (128, 8)]:
         monkeypatch.setattr(host.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
@@ -300,7 +300,7 @@ def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch,
     import hashlib
 
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import files as writer
+    from speculators_compat.pipeline.output import files as writer
 
     g = torch.Generator().manual_seed(rows)
     sample = {
@@ -360,8 +360,8 @@ def _write_with_both(tmp_path, items, reader, fmt="pt", split=3, workers=2):
     writer; returns, per writer, its data files' bytes, its sorted checksums and the writer."""
     import json
 
-    from speculators_compat.pipeline import procwriter as w
-    from speculators_compat.pipeline.writers import BackgroundWriter
+    from speculators_compat.pipeline.writers import processes as w
+    from speculators_compat.pipeline.writers.threads import BackgroundWriter
 
     got = {}
     for kind in ("thread", "process"):
@@ -434,7 +434,7 @@ def test_a_layer_listed_twice_is_written_by_both_writers(tmp_path, fmt):
 
 def test_process_writer_unlent_rows_go_to_a_thread(tmp_path):
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import procwriter as w
+    from speculators_compat.pipeline.writers import processes as w
 
     out = OutputDir(tmp_path / "o")
     out.prepare({"m": 1})
@@ -449,7 +449,7 @@ def test_killed_writer_process_is_a_clear_error_not_a_hang(tmp_path):
     import signal
     import time
 
-    from speculators_compat.pipeline import procwriter as w
+    from speculators_compat.pipeline.writers import processes as w
 
     arena, reader, items = _lent_samples(tmp_path)
     out = OutputDir(tmp_path / "o")
@@ -488,7 +488,7 @@ def test_process_writer_needs_no_driver_thread(tmp_path):
     on this machine."""
     import time
 
-    from speculators_compat.pipeline import procwriter as w
+    from speculators_compat.pipeline.writers import processes as w
 
     arena, reader, items = _lent_samples(tmp_path)
     warm = OutputDir(tmp_path / "warm")  # start the process (torch import) outside the timing
@@ -515,7 +515,7 @@ def test_process_writer_feeds_tasks_larger_than_the_pipe(tmp_path, monkeypatch):
     """A batch's tasks may not fit in a pipe (64 KiB when it cannot be grown): put() keeps the rest
     and writes it at the next chance instead of blocking the engine's thread; every file arrives
     and matches the thread writer's."""
-    from speculators_compat.pipeline import procwriter as w
+    from speculators_compat.pipeline.writers import processes as w
 
     monkeypatch.setattr(w, "_grow_pipe", lambda fd: 0)  # keep the OS default pipe size
     full = []
@@ -540,7 +540,7 @@ def test_process_writer_feeds_tasks_larger_than_the_pipe(tmp_path, monkeypatch):
 
 def test_process_writer_failure_names_the_sample(tmp_path):
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import procwriter as w
+    from speculators_compat.pipeline.writers import processes as w
 
     out = OutputDir(tmp_path / "o")
     out.prepare({"m": 1})
@@ -562,7 +562,7 @@ def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows, pt_writ
     torch = pytest.importorskip("torch")
     import numpy as np
 
-    from speculators_compat.pipeline.files import write_sample
+    from speculators_compat.pipeline.output.files import write_sample
 
     buf = np.frombuffer(bytearray(torch.randn(rows, 64).numpy().tobytes()), dtype=np.float32)
     died = []
@@ -588,8 +588,8 @@ def test_default_writer_processes_leave_the_engine_its_cores(mocker):
     """GPU hosts: one CPU for the driver, one spare and one per engine worker stay free, the rest
     write (2..16); CPU hosts: half. The GPU branch needs a CUDA device, so the device count is mocked
     here (the seam a CPU machine cannot reach); the CPU count is mocked to make cases."""
-    from speculators_compat.pipeline import procwriter
-    from speculators_compat.pipeline.procwriter import default_writer_processes
+    from speculators_compat.pipeline.writers import processes as procwriter
+    from speculators_compat.pipeline.writers.processes import default_writer_processes
 
     cases = {
         (16, 1, True): 13,
@@ -622,9 +622,9 @@ def test_each_file_is_listed_with_the_chosen_checksum(tmp_path, kind, checksum, 
     keyed by its name, and no other; 'none' lists sizes only. Streamed and in-memory writes both."""
     import json
 
-    from speculators_compat.pipeline import files
-    from speculators_compat.pipeline import procwriter as w
-    from speculators_compat.pipeline.writers import BackgroundWriter
+    from speculators_compat.pipeline.output import files
+    from speculators_compat.pipeline.writers import processes as w
+    from speculators_compat.pipeline.writers.threads import BackgroundWriter
 
     monkeypatch.setattr(files, "SMALL_SAMPLE_BYTES", 64 * 2 * 3 * 8)  # some samples stream, some do not
     arena, reader, items = _lent_samples(tmp_path)
@@ -657,7 +657,7 @@ def test_manifest_rehashes_files_listed_with_another_checksum(tmp_path):
     """A resumed run with another --checksum: the manifest lists every file with the new algorithm
     (files of the earlier run are rehashed), never a mix."""
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writers as w
+    from speculators_compat.pipeline.writers import threads as w
 
     sample = {"input_ids": torch.arange(5), "hidden_states": [torch.randn(5, 8)], "loss_mask": torch.ones(5)}
     for checksum, idx in [("sha256", [0, 1]), ("crc32", [2])]:
@@ -691,7 +691,7 @@ def test_unknown_checksum_is_refused_before_anything_starts(tmp_path):
 def test_a_digest_needs_a_chosen_algorithm(name):
     """None means "choose later" only before the run; a digest asked for None is a bug and must
     not silently become no checksum."""
-    from speculators_compat.pipeline.checksums import new_digest
+    from speculators_compat.pipeline.output.checksums import new_digest
 
     with pytest.raises(ValueError, match=f"checksum must be one of crc32, sha256, none, not {name!r}"):
         new_digest(name)
@@ -702,7 +702,7 @@ def test_a_rerun_keeps_the_checksum_it_finds_unless_told(tmp_path):
     """No --checksum: a new output gets crc32; a rerun into an output made with sha256 keeps sha256
     (no rehash of a large dataset because a default changed)."""
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writers as w
+    from speculators_compat.pipeline.writers import threads as w
 
     sample = {"input_ids": torch.arange(4), "hidden_states": [torch.randn(4, 8)], "loss_mask": torch.ones(4)}
     assert OutputDir(tmp_path / "new").checksum is None
@@ -734,7 +734,7 @@ def test_verify_finds_every_kind_of_damage(tmp_path, checksum, capsys):
     file, a deleted file and an unlisted data file are each named, and the exit code is 1."""
     torch = pytest.importorskip("torch")
     from speculators_compat.cli import main
-    from speculators_compat.pipeline import writers as w
+    from speculators_compat.pipeline.writers import threads as w
 
     out = OutputDir(tmp_path, "pt", checksum)
     out.prepare({"m": 1})
@@ -787,7 +787,7 @@ def test_waiting_for_writer_processes_to_start_is_not_counted_as_a_slow_disk(tmp
     was slow (seen on the H200: "waited 2.8 s of 4.8 s", writing to a disk that keeps 1.2 GiB/s)."""
     import time
 
-    from speculators_compat.pipeline import procwriter as w
+    from speculators_compat.pipeline.writers import processes as w
 
     arena, reader, items = _lent_samples(tmp_path)
     w.shutdown_writer_pool()  # a pool whose process has not started yet
@@ -815,7 +815,7 @@ def test_waiting_for_writer_processes_to_start_is_not_counted_as_a_slow_disk(tmp
 
 
 def test_file_names_of_each_format():
-    from speculators_compat.pipeline.files import data_file_index, file_name
+    from speculators_compat.pipeline.output.files import data_file_index, file_name
 
     assert [file_name(7, f) for f in ("pt", "safetensors", "speculators-hs")] == [
         "data_7.pt",
@@ -845,7 +845,7 @@ def test_speculators_hs_refusals_before_any_engine(tmp_path):
 
 def _five_files(tmp_path):
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writers as w
+    from speculators_compat.pipeline.writers import threads as w
 
     out = OutputDir(tmp_path, "pt")
     out.prepare({"m": 1, "samples": 8})
@@ -875,7 +875,7 @@ def test_a_torn_last_record_does_not_take_the_next_one_with_it(tmp_path):
     """A kill mid-append leaves a torn last line in checksums.jsonl. The resume cuts it off: the
     torn record's file is computed again, and the records appended after it are whole."""
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline import writers as w
+    from speculators_compat.pipeline.writers import threads as w
 
     _five_files(tmp_path)
     f = tmp_path / "checksums.jsonl"

@@ -20,7 +20,7 @@ from speculators_compat.checkpoint import (
 from speculators_compat.errors import OutputError
 from speculators_compat.pipeline import extract
 from speculators_compat.pipeline.dataset import DatasetError, describe_input_change, scan_input
-from speculators_compat.pipeline.outdir import OutputDir
+from speculators_compat.pipeline.output.outdir import OutputDir
 
 
 def safetensors_bytes(tensors: dict[str, bytes], shapes: dict[str, list[int]] | None = None) -> bytes:
@@ -204,7 +204,7 @@ def test_a_second_run_into_a_locked_output_is_refused_naming_the_first(tmp_path,
             "-c",
             (
                 "import sys, time; sys.path.insert(0, sys.argv[2]);"
-                "from speculators_compat.pipeline.outdir import OutputDir;"
+                "from speculators_compat.pipeline.output.outdir import OutputDir;"
                 "o = OutputDir(sys.argv[1]); o.lock(); print('locked', flush=True); time.sleep(60)"
             ),
             str(tmp_path / "out"),

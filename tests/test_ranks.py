@@ -10,9 +10,9 @@ import pytest
 
 from speculators_compat.errors import OutputError
 from speculators_compat.pipeline import ranks
-from speculators_compat.pipeline.outdir import OutputDir
+from speculators_compat.pipeline.output.outdir import OutputDir
+from speculators_compat.pipeline.output.verify import finalize_output, verify_output
 from speculators_compat.pipeline.ranks import Part, partition_unit, resolve_part
-from speculators_compat.pipeline.verify import finalize_output, verify_output
 
 
 def test_flags_then_torchrun_then_slurm_then_the_whole_dataset():
@@ -99,7 +99,7 @@ def _rank(root, r, world=2, **run):
 
 
 def _write(out, i, data=b"x" * 10):
-    from speculators_compat.pipeline.writers import _ChecksumLog
+    from speculators_compat.pipeline.writers.threads import _ChecksumLog
 
     (out.root / f"data_{i}.pt").write_bytes(data)
     log = _ChecksumLog(out)
@@ -182,7 +182,7 @@ def test_verify_finalize_seals_a_dataset_whose_last_rank_stopped_before_its_mani
 def test_data_parallel_engines_split_the_host(mocker, monkeypatch):
     """Where each of D engines goes: its CPUs always, its GPUs on a GPU host (a GPU-only branch:
     device discovery is mocked there; the split is real)."""
-    from speculators_compat.pipeline.parallel import placements
+    from speculators_compat.pipeline.scale.parallel import placements
 
     mocker.patch("os.sched_getaffinity", return_value=set(range(8)))
     mocker.patch("speculators_compat.host.cuda_device_count", return_value=0)
@@ -208,7 +208,7 @@ def test_a_ray_cluster_failure_is_a_shard_failure_not_a_raw_error(monkeypatch):
     resume."""
     ray = pytest.importorskip("ray")
     from speculators_compat.errors import ShardFailedError
-    from speculators_compat.pipeline import ray_shards
+    from speculators_compat.pipeline.scale import ray_shards
 
     def lost(*a, **k):
         raise ray.exceptions.ActorDiedError()
@@ -219,3 +219,26 @@ def test_a_ray_cluster_failure_is_a_shard_failure_not_a_raw_error(monkeypatch):
         ShardFailedError, match=r"the Ray cluster failed under the run \(ActorDiedError.*run the same command again"
     ):
         ray_shards.run_on_ray("m", "in.jsonl", "out", shards=2)
+
+
+def test_the_merged_summary_finds_the_manifest_where_the_format_keeps_it(tmp_path):
+    """--format speculators-hs keeps its manifest in hidden_states/ (output/layout.py): the merged
+    summary of a data-parallel or Ray run said dataset_complete False though it was there."""
+    from speculators_compat.pipeline.output.layout import Layout
+    from speculators_compat.pipeline.scale.parallel import merge_summaries
+
+    one = {"samples": 4, "seconds": 2.0, "engine_start_s": 1.0, "truncated": 0, "skipped_overlength": 0}
+    assert merge_summaries([one, one], str(tmp_path), 1.0, "speculators-hs")["dataset_complete"] is False
+    (tmp_path / "hidden_states").mkdir()
+    (tmp_path / "hidden_states" / "manifest.json").write_text("{}")
+    assert merge_summaries([one, one], str(tmp_path), 1.0, "speculators-hs")["dataset_complete"] is True
+    assert merge_summaries([one, one], str(tmp_path), 1.0, "pt")["dataset_complete"] is False
+    hs = Layout.of(tmp_path, "speculators-hs")
+    assert (hs.states, hs.manifest, hs.trainer_dataset) == (
+        tmp_path / "hidden_states",
+        tmp_path / "hidden_states" / "manifest.json",
+        tmp_path,
+    )
+    (tmp_path / "hidden_states" / "run.json").write_text('{"format": "speculators-hs"}')
+    assert Layout.find(tmp_path) == hs == Layout.find(tmp_path / "hidden_states")
+    assert Layout.of(tmp_path, "pt").states == tmp_path and Layout.of(tmp_path, "pt").trainer_dataset is None

@@ -9,10 +9,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 from speculators_compat.errors import OutputError
-from speculators_compat.pipeline.files import done_from_shards, read_shard_range  # noqa: E402
-from speculators_compat.pipeline.outdir import OutputDir  # noqa: E402
-from speculators_compat.pipeline.shards import ShardWriter, check_shard_size, load_shard  # noqa: E402
-from speculators_compat.pipeline.verify import verify_output  # noqa: E402
+from speculators_compat.pipeline.output.files import done_from_shards, read_shard_range  # noqa: E402
+from speculators_compat.pipeline.output.outdir import OutputDir  # noqa: E402
+from speculators_compat.pipeline.output.verify import verify_output  # noqa: E402
+from speculators_compat.pipeline.writers.shards import ShardWriter, check_shard_size, load_shard  # noqa: E402
 
 
 def sample(i, n=None):
@@ -69,7 +69,7 @@ def test_shards_hold_their_samples_by_index(tmp_path, threads):
 def test_a_layer_listed_twice_goes_into_a_shard(tmp_path):
     """A repeated layer id gives one state twice (upstream's default ids on a 6-layer model);
     safetensors refuses tensors sharing memory, so the shard holds a copy."""
-    from speculators_compat.pipeline.shards import shard_bytes
+    from speculators_compat.pipeline.writers.shards import shard_bytes
 
     s = sample(0)
     s["hidden_states"] = [s["hidden_states"][0], s["hidden_states"][1], s["hidden_states"][1]]
@@ -137,7 +137,7 @@ def test_a_full_disk_is_an_error_at_the_next_put(tmp_path, monkeypatch):
     """A full disk cannot be produced here: the file write is the seam we replace (ENOSPC)."""
     import time
 
-    from speculators_compat.pipeline import shards as w
+    from speculators_compat.pipeline.writers import shards as w
 
     out = OutputDir(tmp_path, "safetensors", shard_size=2)
     out.prepare({"m": 1})

@@ -124,7 +124,7 @@ INTERNALS = [
     ),
     (
         "VLLM_CPU_OMP_THREADS_BIND ('a,b|c,d': one CPU list per TP rank)",
-        "data-parallel CPU engines on disjoint cores (pipeline/parallel.py); auto binding would put every "
+        "data-parallel CPU engines on disjoint cores (pipeline/scale/parallel.py); auto binding would put every "
         "engine on the same cores",
         "0.11-0.32 (same format); run: --data-parallel-size 2 on 0.32 CPU",
         "low: a format change fails at engine start, naming the variable",

@@ -1,10 +1,119 @@
-"""Command-line options of ``extract`` and ``plan`` (shared)."""
+"""The options of ``extract`` and ``plan``: the command-line flags (shared by both), and
+:class:`ExtractOptions`, the one record of an extraction's settings that the CLI, the launchers
+and Python callers build and ``run_extract`` reads. Adding an extract flag: its ``add_argument``
+here and its field in ExtractOptions (``from_args`` takes every field by name)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from .checksums import CHECKSUMS
+from .output.checksums import CHECKSUMS, check_checksum
+
+#: settings of the engine itself (the generator's keyword arguments), as the CLI names them
+ENGINE_ARGS = (
+    "max_model_len",
+    "tensor_parallel_size",
+    "dtype",
+    "quantization",
+    "trust_remote_code",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "gpu_memory_utilization",
+    "enable_expert_parallel",
+    "async_scheduling",
+)
+WRITER_MODES = ("auto", "thread", "process")
+#: ExtractOptions fields whose flag says the opposite, or is named otherwise
+_FROM_FLAG = {"fmt": ("format", False), "progress": ("no_progress", True), "self_check": ("no_self_check", True)}
+
+
+@dataclass
+class ExtractOptions:
+    """What an extraction does, beside the model, input and output it reads and writes."""
+
+    layer_ids: list[int] | None = None
+    layer_id_convention: str | None = None
+    batch_size: int = 8
+    max_samples: int | None = None
+    fmt: str = "pt"
+    on_overlength: str = "truncate"
+    queue_size: int = 2
+    progress: bool | Callable = True  # a bool (a tqdm bar or none), or ``(total) -> bar``
+    writer: str = "auto"
+    writer_threads: int | None = None
+    checksum: str | None = None
+    shard_size: int = 1
+    verify_existing: bool = False
+    self_check: bool = True
+    engine: dict[str, Any] = field(default_factory=dict)  # the generator's keyword arguments
+
+    @classmethod
+    def build(cls, **kw) -> ExtractOptions:
+        """From keyword arguments (``run_extract``'s Python callers): the fields by name, and every
+        other one an engine setting."""
+        names = {f.name for f in fields(cls)} - {"engine"}
+        engine = dict(kw.pop("engine", None) or {})
+        engine.update({k: v for k, v in kw.items() if k not in names})
+        return cls(**{k: v for k, v in kw.items() if k in names}, engine=engine)
+
+    @classmethod
+    def given(cls, options: ExtractOptions | None, kw: dict) -> ExtractOptions:
+        """``options``, or built from a caller's keyword arguments (not both)."""
+        if options is None:
+            return cls.build(**kw)
+        if kw:
+            raise TypeError(f"give the settings in ExtractOptions or as keywords, not both ({', '.join(kw)})")
+        return options
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ExtractOptions:
+        kw = {}
+        for f in fields(cls):
+            flag, negated = _FROM_FLAG.get(f.name, (f.name, False))
+            if hasattr(args, flag):
+                kw[f.name] = not getattr(args, flag) if negated else getattr(args, flag)
+        kw["engine"] = {k: getattr(args, k) for k in ENGINE_ARGS if hasattr(args, k)}
+        return cls(**kw)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine.get("tensor_parallel_size") or 1
+
+    def check(self, input_path: str, output: str) -> None:
+        """Every setting a run can refuse without touching anything (ValueError naming it)."""
+        from .writers.shards import check_shard_size
+
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, not {self.batch_size}")
+        m = self.max_samples
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"--max-samples must be an integer >= 0, not {m!r}")
+        if self.writer not in WRITER_MODES:
+            raise ValueError(f"writer must be one of {WRITER_MODES}, not {self.writer!r}")
+        if self.on_overlength not in ("truncate", "error", "skip"):
+            raise ValueError(f"on_overlength must be truncate, error or skip, not {self.on_overlength!r}")
+        check_checksum(self.checksum)
+        check_shard_size(self.shard_size, self.fmt, self.writer)
+        if self.fmt != "speculators-hs":
+            return
+        if self.on_overlength == "skip":
+            raise ValueError(
+                "--format speculators-hs: --on-overlength skip would leave a dataset row with no "
+                "hs_{i}.safetensors (its trainer would try to generate it): use truncate or error"
+            )
+        if os.path.realpath(output) == os.path.realpath(input_path):
+            raise ValueError(
+                f"--format speculators-hs: --output {output} is the input dataset; extract writes its "
+                "own input_ids/loss_mask dataset into --output (beside hidden_states/), which would "
+                "replace the input's files: give another directory"
+            )
+        from .output.trainer_dataset import require_datasets
+
+        require_datasets()
 
 
 def _layer_ids(s: str) -> list[int]:
@@ -74,6 +183,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_extract_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    _add_data_args(p)
+    _add_writing_args(p)
+    _add_scale_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """What is read and what is written, and how."""
     p.add_argument(
         "--input",
         required=True,
@@ -96,12 +214,16 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=1,
         help="with --format safetensors: samples per file (shard_{k}.safetensors holds samples "
-        "[k*N, (k+1)*N); read with speculators_compat.pipeline.shards.load_shard); "
-        "1: one file a sample. Shards are written on --writer-threads threads (729 MiB/s with 8 "
-        "on an H200 host, against ~4 GB/s for data_{i}.pt): for small states only",
+        "[k*N, (k+1)*N); read with speculators_compat.pipeline.writers.shards.load_shard); "
+        "1: one file a sample. Shards are written on --writer-threads threads, far slower than "
+        "data_{i}.pt files (docs/benchmarks.md): for small states only",
     )
     p.add_argument("--async-scheduling", choices=("disable", "keep"), default=None)
     p.add_argument("--on-overlength", choices=("truncate", "error", "skip"), default="truncate")
+
+
+def _add_writing_args(p: argparse.ArgumentParser) -> None:
+    """The writers, the records, the checks."""
     p.add_argument("--queue-size", type=_positive_int, default=2, help="batches waiting to be written (bounds memory)")
     p.add_argument(
         "--writer",
@@ -136,6 +258,9 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
         help="skip the per-request check that the token vLLM sampled is the one its captured "
         "final-layer state implies (default: on; docs/architecture.md#the-self-check)",
     )
+
+
+def _add_scale_args(p: argparse.ArgumentParser) -> None:
     scale = p.add_argument_group("scaling out (docs/scaling-out.md)")
     scale.add_argument(
         "--world-size",
@@ -167,8 +292,6 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
         help="run the parts as Ray actors (pip install speculators-compat[ray]); ADDRESS: the "
         "cluster (default: the one RAY_ADDRESS names or a local one)",
     )
-    p.add_argument("--dry-run", action="store_true", help="print the plan (reads config.json only) and exit")
-    p.add_argument("--no-progress", action="store_true")
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:

@@ -143,6 +143,69 @@ def disk_bytes_per_token(layers: int, hidden: int, dtype_bytes: int) -> int:
     return layers * hidden * dtype_bytes + 8 + 8
 
 
+def _weight_bytes(info: dict, qbits: int, dtype_bytes: int, tp: int) -> tuple[int, int, float, float]:
+    """(parameters, of which quantized, weight bytes in all, weight bytes per GPU)."""
+    total = quant = 0
+    wbytes_total = wbytes_gpu = 0.0
+    for _name, count, sharded, routed in info["groups"]:
+        # int-N checkpoints of MoE models (Kimi-K2.x) quantize the routed experts only; attention,
+        # shared experts, the dense layer, embeddings and the ViT stay bf16 (their ignore list)
+        q = bool(qbits) and routed
+        b = count * (qbits / 8.0 if q else dtype_bytes)
+        total += count
+        quant += count if q else 0
+        wbytes_total += b
+        wbytes_gpu += b / tp if sharded else b
+    return total, quant, wbytes_total, wbytes_gpu
+
+
+def _kv_bytes_per_token(t: dict, info: dict, tp: int, dtype_bytes: int) -> int:
+    """KV-cache bytes per token per GPU."""
+    h, n = info["hidden"], info["layers"]
+    if info["is_mla"]:
+        return (t["kv_lora_rank"] + t["qk_rope_head_dim"]) * n * dtype_bytes  # latent, replicated per rank
+    heads = t["num_attention_heads"]
+    kvh = t.get("num_key_value_heads", heads)
+    hd = t.get("head_dim") or h // heads
+    kvh_gpu = max(1, kvh // tp) if kvh >= tp else 1
+    return 2 * kvh_gpu * hd * n * dtype_bytes
+
+
+def _notes(qdesc: str, mnbt: int, activation: int, info: dict, dtype_bytes: int, kv_budget: int) -> list[str]:
+    notes = [
+        f"quantization: {qdesc}",
+        f"tokens per step: {mnbt} (max_num_batched_tokens; chunked prefill splits longer prompts)",
+        f"activation peak per step (estimate): {activation / GiB:.1f} GiB per GPU",
+    ]
+    vit = sum(count for name, count, _, _ in info["groups"] if name.startswith("vision tower"))
+    if vit:
+        notes.append(
+            f"vision tower: {vit * dtype_bytes / GiB:.2f} GiB, counted on every GPU; extraction is text "
+            "only and vLLM 0.17+ does not load it (language_model_only), so that much is spare there"
+        )
+    if kv_budget <= 0:
+        notes.append("WEIGHTS DO NOT FIT: raise tensor parallelism or use a quantized checkpoint")
+    return notes
+
+
+def _dataset_sizes(samples: int | None, tokens: int | None, hidden_per_token: int, per_token_disk: int) -> dict | None:
+    if not tokens:
+        return None
+    return {
+        "samples": samples,
+        "tokens": tokens,
+        "hidden_state_bytes": tokens * hidden_per_token,
+        "disk_bytes": tokens * per_token_disk + (samples or 0) * 1500,
+    }
+
+
+def _read_config(model: str) -> dict:
+    cfg_path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{model}: config.json not found (the plan reads only the model's config.json)")
+    return json.loads(cfg_path.read_text())
+
+
 def make_plan(
     model: str,
     *,
@@ -165,35 +228,15 @@ def make_plan(
 ) -> Plan:
     from ..layers import resolve as resolve_layers
 
-    cfg_path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{model}: config.json not found (the plan reads only the model's config.json)")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = _read_config(model)
     t = _text_cfg(cfg)
     info = count_params(cfg)
     tp = tensor_parallel_size
     h, n = info["hidden"], info["layers"]
     ids = resolve_layers(layer_ids, n, layer_id_convention, fmt)
     qbits, _ignore, qdesc = _quant(cfg)
-    total = quant = 0
-    wbytes_total = wbytes_gpu = 0.0
-    for _name, count, sharded, routed in info["groups"]:
-        # int-N checkpoints of MoE models (Kimi-K2.x) quantize the routed experts only; attention,
-        # shared experts, the dense layer, embeddings and the ViT stay bf16 (their ignore list)
-        q = bool(qbits) and routed
-        b = count * (qbits / 8.0 if q else dtype_bytes)
-        total += count
-        quant += count if q else 0
-        wbytes_total += b
-        wbytes_gpu += b / tp if sharded else b
-    if info["is_mla"]:
-        kv = (t["kv_lora_rank"] + t["qk_rope_head_dim"]) * n * dtype_bytes  # latent, replicated per rank
-    else:
-        heads = t["num_attention_heads"]
-        kvh = t.get("num_key_value_heads", heads)
-        hd = t.get("head_dim") or h // heads
-        kvh_gpu = max(1, kvh // tp) if kvh >= tp else 1
-        kv = 2 * kvh_gpu * hd * n * dtype_bytes
+    total, quant, wbytes_total, wbytes_gpu = _weight_bytes(info, qbits, dtype_bytes, tp)
+    kv = _kv_bytes_per_token(t, info, tp, dtype_bytes)
     mnbt = max_num_batched_tokens or max(8192, max_model_len)
     hidden_per_token = len(ids) * h * dtype_bytes
     capture_step = mnbt * hidden_per_token
@@ -203,38 +246,18 @@ def make_plan(
     # activation peak of one prefill step, rough: a few hidden-sized buffers per token plus logits
     activation = mnbt * (8 * h + (t["vocab_size"] // tp)) * 4
     kv_budget = int(gpu_bytes * gpu_memory_utilization - wbytes_gpu - activation - capture_step)
-    notes = [
-        f"quantization: {qdesc}",
-        f"tokens per step: {mnbt} (max_num_batched_tokens; chunked prefill splits longer prompts)",
-        f"activation peak per step (estimate): {activation / GiB:.1f} GiB per GPU",
-    ]
-    vit = sum(count for name, count, _, _ in info["groups"] if name.startswith("vision tower"))
-    if vit:
-        notes.append(
-            f"vision tower: {vit * dtype_bytes / GiB:.2f} GiB, counted on every GPU; extraction is text "
-            "only and vLLM 0.17+ does not load it (language_model_only), so that much is spare there"
-        )
-    if kv_budget <= 0:
-        notes.append("WEIGHTS DO NOT FIT: raise tensor parallelism or use a quantized checkpoint")
-    ds = None
+    notes = _notes(qdesc, mnbt, activation, info, dtype_bytes, kv_budget)
     if total_tokens is None and num_samples and avg_tokens:
         total_tokens = int(num_samples * avg_tokens)
     per_token_disk = disk_bytes_per_token(len(ids), h, dtype_bytes)
-    if total_tokens:
-        ds = {
-            "samples": num_samples,
-            "tokens": total_tokens,
-            "hidden_state_bytes": total_tokens * hidden_per_token,
-            "disk_bytes": total_tokens * per_token_disk + (num_samples or 0) * 1500,
-        }
+    ds = _dataset_sizes(num_samples, total_tokens, hidden_per_token, per_token_disk)
     handoff_tokens = handoff = None
     if batch_size:
         from ..engine import ARENA_HEADROOM
 
         handoff_tokens = max_batch_tokens or batch_size * (max_model_len - 1)
         # the slabs the pipeline asks for (its queue plus the batch computed), each with headroom
-        slabs = max(1, queue_size) + 2
-        handoff = int(slabs * ARENA_HEADROOM * handoff_tokens * hidden_per_token)
+        handoff = int((max(1, queue_size) + 2) * ARENA_HEADROOM * handoff_tokens * hidden_per_token)
     return Plan(
         model=str(model),
         architecture=(cfg.get("architectures") or ["?"])[0],

@@ -1,5 +1,6 @@
-"""Checks ``extract`` makes before an engine starts that need neither torch nor vLLM: the dtype a
-``--dtype`` names, the disk space the run needs, the over-long samples it will cut or skip."""
+"""What ``extract`` says of a run without an engine: the dtype a ``--dtype`` names, the disk space
+the run needs, the over-long samples it will cut or skip (before the engine starts), and whether
+the run was bound by its writes (at the end)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,26 @@ def warn_overlength(over: list[tuple[int, int]], max_len: int, action: str) -> N
         shown,
         " ..." if len(over) > 20 else "",
     )
+
+
+WRITE_BOUND_SHARE = 0.1  # of the compute phase spent waiting for the writers ...
+WRITE_BOUND_MIN_S = 1.0  # ... and at least this long: then the run is said to be write-bound
+
+
+def warn_if_write_bound(wait_s: float, write_s: float, write_mib_s: float, root) -> bool:
+    """Say so (a warning) when the engine spent a real share of the run waiting for room in the
+    writers' queue: the output disk, not the engine, then sets the pace, and nothing in the
+    pipeline can go faster than the disk (measured: docs/benchmarks.md)."""
+    if wait_s < max(WRITE_BOUND_MIN_S, WRITE_BOUND_SHARE * write_s):
+        return False
+    logger.warning(
+        "the engine waited %.1f s of %.1f s (%.0f%%) for the file writers, which wrote %.0f MiB/s to "
+        "%s: this run is bound by writing its output. A faster output disk would speed it up, or "
+        "more writers (--writer-threads) if that disk is not busy.",
+        wait_s,
+        write_s,
+        100 * wait_s / max(write_s, 1e-9),
+        write_mib_s,
+        root,
+    )
+    return True

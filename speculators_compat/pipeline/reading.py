@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from itertools import islice
-from pathlib import Path
 
-from .dataset import Sample, count_arrow_rows
+from .dataset import Sample
 
 
-def _batches(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
+def batches_of(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
     it = iter(samples)
     while True:
         batch = list(islice(it, size))
@@ -19,7 +18,7 @@ def _batches(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
         yield batch
 
 
-class _Prefetch:
+class Prefetch:
     """Batches read one ahead on a thread, so parsing the input overlaps the engine's work (the
     driver thread only waits for the GPU meanwhile). A reading error (a malformed line) is
     raised by ``next()`` at the batch it belongs to, as without prefetching; ``close()`` stops
@@ -68,13 +67,3 @@ class _Prefetch:
     def close(self) -> None:
         self._stop.set()
         self._t.join(timeout=5)
-
-
-def count_samples(path: str | Path) -> int | None:
-    p = Path(path)
-    if p.is_file():
-        with open(p, "rb") as f:
-            return sum(1 for line in f if line.strip())
-    if (p / "state.json").exists():
-        return count_arrow_rows(p)
-    return None

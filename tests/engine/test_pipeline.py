@@ -171,7 +171,7 @@ def test_process_writer_gives_the_same_dataset(gen, llama_path, tmp_path, fmt):
     make_jsonl(tmp_path / "in.jsonl", seed=3)
     threads, procs, mixed = tmp_path / "threads", tmp_path / "procs", tmp_path / "mixed"
     kw = dict(batch_size=4, generator=gen, progress=False, fmt=fmt)
-    from speculators_compat.pipeline.procwriter import shutdown_writer_pool
+    from speculators_compat.pipeline.writers.processes import shutdown_writer_pool
 
     a = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(threads), writer="thread", **kw)
     shutdown_writer_pool()  # new processes: the run's first batches wait for them to start
@@ -253,8 +253,8 @@ def test_sharded_safetensors_match_the_per_sample_files_and_resume(gen, llama_pa
     match HF, and a run cut short by --max-samples (its last shard short) resumes to the same bytes."""
     import torch
 
-    from speculators_compat.pipeline.shards import load_shard
-    from speculators_compat.pipeline.verify import verify_output
+    from speculators_compat.pipeline.output.verify import verify_output
+    from speculators_compat.pipeline.writers.shards import load_shard
 
     rows = make_jsonl(tmp_path / "in.jsonl", seed=5)
     inp = str(tmp_path / "in.jsonl")
@@ -337,7 +337,7 @@ def test_a_run_bound_by_its_disk_says_so(gen, llama_path, tmp_path, monkeypatch,
     own disk with tiny files must not."""
     import logging
 
-    from speculators_compat.pipeline import writers as w
+    from speculators_compat.pipeline.writers import threads as w
 
     make_jsonl(tmp_path / "in.jsonl", lengths=[16] * 12, seed=4)
     kw = dict(batch_size=2, generator=gen, progress=False, writer="thread", writer_threads=1, queue_size=1)

@@ -311,7 +311,7 @@ def test_speculators_hs_output_read_by_newest_trainer(prepared_dataset, llama_pa
     from safetensors.torch import load_file
 
     from speculators_compat.pipeline.extract import run_extract
-    from speculators_compat.pipeline.verify import verify_output
+    from speculators_compat.pipeline.output.verify import verify_output
     from speculators_compat.testing import reference
 
     d, prompts, masks = prepared_dataset

@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import OutputError
+from ...errors import OutputError
 
 RANK_DIR_RE = re.compile(r"^rank_(\d+)$")
 

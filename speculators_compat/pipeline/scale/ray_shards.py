@@ -18,12 +18,14 @@ complete; the same command resumes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from typing import Any
 
-from ..errors import ShardFailedError
+from ...errors import ShardFailedError
+from ..options import ExtractOptions
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -79,22 +81,24 @@ class _Shard:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, rank: int, world_size: int, kwargs: dict[str, Any], board) -> dict:
+    def run(self, rank: int, world_size: int, job: tuple, board) -> dict:
+        """``job``: (model, input, output, ExtractOptions)."""
+        import dataclasses
+
         import speculators_compat  # noqa: F401  (the patches, in this worker process too)
 
-        from ..engine.shm import sweep_orphan_shm
-        from .extract import run_extract
+        from ...engine.shm import sweep_orphan_shm
+        from ..extract import run_extract
 
         sweep_orphan_shm()  # (an earlier attempt's engine, killed on this host, left its shared memory)
-
-        return run_extract(
-            rank=rank, world_size=world_size, progress=lambda total: _BoardBar(board, rank, total), **kwargs
-        )
+        model, input_path, output, opts = job
+        opts = dataclasses.replace(opts, progress=lambda total: _BoardBar(board, rank, total))
+        return run_extract(model, input_path, output, opts, rank=rank, world_size=world_size)
 
 
 def _retryable(err: BaseException, ray) -> bool:
     """An actor that died, or an engine that died under it: worth a new actor."""
-    from ..errors import StallError, WorkerDiedError
+    from ...errors import StallError, WorkerDiedError
 
     if isinstance(err, ray.exceptions.RayActorError):
         return True
@@ -106,24 +110,26 @@ def run_on_ray(
     model: str,
     input_path: str,
     output: str,
+    options: ExtractOptions | None = None,
     *,
     shards: int | None = None,
     address: str | None = None,
-    progress: bool = True,
-    **extract_kwargs,
+    **kw,
 ) -> dict[str, Any]:
     """Run the dataset as ``shards`` ranks on the Ray cluster at ``address`` (None: the one this
     process is connected to, else a local instance; "auto": the running cluster); ``shards``
     None: one per TP group of the cluster's GPUs (one on a cluster without GPUs). Returns one
-    summary (as run_data_parallel's) with ``retries``: the shards started again."""
-    from ..engine.shm import sweep_orphan_shm
+    summary (as run_data_parallel's) with ``retries``: the shards started again. ``options``: as
+    for run_extract (or its fields as keywords)."""
+    from ...engine.shm import sweep_orphan_shm
 
+    opts = ExtractOptions.given(options, kw)
     ray = _import_ray()
     own = not ray.is_initialized()
     if own:
         ray.init(address=address, log_to_driver=True)
     try:
-        return _run(ray, model, input_path, output, shards, progress, extract_kwargs)
+        return _run(ray, model, input_path, output, shards, opts)
     except ray.exceptions.RayError as e:  # (the cluster itself: a node lost, the progress actor with it)
         raise ShardFailedError(
             f"the Ray cluster failed under the run ({_reason(e)}). Every file written is complete: run "
@@ -135,11 +141,11 @@ def run_on_ray(
         sweep_orphan_shm()  # (what the shards' engines killed on this host left in /dev/shm)
 
 
-def _run(ray, model, input_path, output, shards, progress, extract_kwargs) -> dict[str, Any]:
+def _run(ray, model, input_path, output, shards, opts: ExtractOptions) -> dict[str, Any]:
+    from ..progress import progress_bar
     from .parallel import merge_summaries
-    from .progress import progress_bar
 
-    tp = extract_kwargs.get("tensor_parallel_size") or 1
+    tp = opts.tensor_parallel_size
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if shards is None:
         shards = max(1, gpus // tp) if gpus else 1
@@ -149,11 +155,11 @@ def _run(ray, model, input_path, output, shards, progress, extract_kwargs) -> di
     logger.info("Ray: %d shard(s), each an actor with %s", shards, need)
     board = ray.remote(_Board).options(num_cpus=0).remote()
     Shard = ray.remote(_Shard)
-    kwargs = dict(extract_kwargs, model=model, input_path=input_path, output=output)
+    job = (model, input_path, output, dataclasses.replace(opts, progress=False))  # (what an actor can take)
 
     def start(rank: int):
         actor = Shard.options(**need, name=f"speculators-compat-shard-{rank}-of-{shards}").remote()
-        return actor, actor.run.remote(rank, shards, kwargs, board)
+        return actor, actor.run.remote(rank, shards, job, board)
 
     running = {r: start(r) for r in range(shards)}  # rank -> (actor, its run's ref)
     attempts = dict.fromkeys(range(shards), 1)
@@ -190,7 +196,7 @@ def _run(ray, model, input_path, output, shards, progress, extract_kwargs) -> di
                 ray.kill(actor)
             counts = ray.get(board.snapshot.remote())
             if bar is None and len(counts) == shards:
-                bar = progress_bar(sum(t for t, _ in counts.values()), progress)
+                bar = progress_bar(sum(t for t, _ in counts.values()), opts.progress)
             if bar is not None:
                 bar.update(sum(n for _, n in counts.values()) - bar.n if hasattr(bar, "n") else 0)
             if time.time() - last_report >= REPORT_EVERY_S:
@@ -207,7 +213,7 @@ def _run(ray, model, input_path, output, shards, progress, extract_kwargs) -> di
         if bar is not None:
             bar.close()
         ray.kill(board)
-    out = merge_summaries([summaries[r] for r in range(shards)], output, time.time() - t0)
+    out = merge_summaries([summaries[r] for r in range(shards)], output, time.time() - t0, opts.fmt)
     out["retries"] = {r: n - 1 for r, n in attempts.items() if n > 1}
     return out
 

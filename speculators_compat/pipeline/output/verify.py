@@ -24,17 +24,13 @@ from pathlib import Path
 
 from .checksums import CHECKSUMS, file_digest
 from .files import SHARD_FILE_RE, data_file_index
+from .layout import Layout
 from .outdir import OutputDir
 
 
 def records_root(root: str | Path) -> Path:
-    """Where the run's records are: ``root``, or for ``--format speculators-hs`` (its records beside
-    its states) ``root/hidden_states``."""
-    root = Path(root)
-    records_in = ("manifest.json", "checksums.jsonl", "run.json")
-    if not any((root / n).exists() for n in records_in) and (root / "hidden_states" / "run.json").exists():
-        return root / "hidden_states"
-    return root
+    """Where the run's records are, for the folder the user named (layout.py)."""
+    return Layout.find(root).states
 
 
 def verify_output(root: str | Path) -> dict:
@@ -111,7 +107,7 @@ def _completeness(root: Path, records: list[dict], finished: bool) -> dict:
     res = {"complete": finished and not missing, "expected": expected, "missing": missing}
     world = int(run.get("world_size", 1))
     if world > 1:
-        from .ranks import partition_unit
+        from ..ranks import partition_unit
 
         unit = partition_unit(int(run.get("batch_size", 1)), int(run.get("shard_size", 1)))
         res["world_size"] = world
@@ -128,7 +124,7 @@ def _completeness(root: Path, records: list[dict], finished: bool) -> dict:
 
 def _shard_indices(root: Path, records: list[dict]) -> set[int]:
     """The sample indices the shards hold, from their safetensors metadata (read without torch)."""
-    from ..checkpoint import CheckpointError, read_safetensors_header
+    from ...checkpoint import CheckpointError, read_safetensors_header
 
     have = set()
     for rec in records:
@@ -155,8 +151,8 @@ def _ranges(ix: list[int]) -> str:
 def finalize_output(root: str | Path) -> dict:
     """Write manifest.json for the output at ``root`` if every sample's file is there and intact
     (``verify --finalize``); returns verify_output's result after it."""
-    from .. import versions
-    from .ranks import Part, merged_extra
+    from ... import versions
+    from ..ranks import Part, merged_extra
 
     root = records_root(root)
     res = verify_output(root)

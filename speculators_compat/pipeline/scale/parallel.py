@@ -14,6 +14,7 @@ the same command then resumes every part.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -21,8 +22,10 @@ import signal
 import time
 from typing import Any
 
-from ..errors import ShardFailedError
-from .ranks import cpu_groups, device_groups, forget_launcher_env, resolve_part, visible_devices
+from ...errors import ShardFailedError
+from ..options import ExtractOptions
+from ..output.layout import Layout
+from ..ranks import cpu_groups, device_groups, forget_launcher_env, resolve_part, visible_devices
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -84,22 +87,23 @@ def _stop_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _engine_main(
-    d: int, rank: int, world: int, env: dict[str, str], cpus: list[int], kwargs: dict[str, Any], q
-) -> None:
-    """One data-parallel engine (a spawned process): its devices, then run_extract for its rank."""
+def _engine_main(d: int, rank: int, world: int, env: dict[str, str], cpus: list[int], job: tuple, q) -> None:
+    """One data-parallel engine (a spawned process): its devices, then run_extract for its rank.
+    ``job``: (model, input, output, ExtractOptions)."""
     _stop_with_parent()
     os.environ.update(env)
     if hasattr(os, "sched_setaffinity"):  # (before vLLM starts its workers: they inherit it)
         os.sched_setaffinity(0, set(cpus))
-    from ..signals import handle_termination
+    from ...signals import handle_termination
 
     handle_termination()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [engine {d}] %(name)s: %(message)s")
+    model, input_path, output, opts = job
     try:
-        from .extract import run_extract
+        from ..extract import run_extract
 
-        summary = run_extract(rank=rank, world_size=world, progress=lambda total: _QueueBar(q, d, total), **kwargs)
+        opts = dataclasses.replace(opts, progress=lambda total: _QueueBar(q, d, total))
+        summary = run_extract(model, input_path, output, opts, rank=rank, world_size=world)
     except BaseException as e:
         q.put(("error", d, f"{type(e).__name__}: {e}"))
         q.close()
@@ -112,51 +116,66 @@ def run_data_parallel(
     model: str,
     input_path: str,
     output: str,
+    options: ExtractOptions | None = None,
     *,
     data_parallel_size: int,
     rank: int | None = None,
     world_size: int | None = None,
-    progress: bool = True,
     devices: list[list[str]] | None = None,
-    **extract_kwargs,
+    **kw,
 ) -> dict[str, Any]:
-    """Run ``data_parallel_size`` engines as ranks of one run (module docstring); ``rank`` /
-    ``world_size``: this host among several (as for run_extract). Returns one summary for the
-    run: the engines' counts added up, their number (``engines``) and each one's own figures
-    (``per_engine``)."""
+    """Run ``data_parallel_size`` engines as ranks of one run (module docstring) with ``options``
+    (or its fields as keywords, as for run_extract); ``rank`` / ``world_size``: this host among
+    several. Returns one summary for the run: the engines' counts added up, their number
+    (``engines``) and each one's own figures (``per_engine``)."""
     import multiprocessing as mp
 
+    opts = ExtractOptions.given(options, kw)
     dp = data_parallel_size
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"--data-parallel-size must be an integer >= 1, not {dp!r}")
     node = resolve_part(rank, world_size)
     if node.source.endswith("(torchrun)"):
         forget_launcher_env()
-    tp = extract_kwargs.get("tensor_parallel_size") or 1
-    places = placements(dp, tp, devices)
+    places = placements(dp, opts.tensor_parallel_size, devices)
     parts = [node.sub(d, dp) for d in range(dp)]
-    kwargs = dict(extract_kwargs, model=model, input_path=input_path, output=output)
+    job = (model, input_path, output, dataclasses.replace(opts, progress=False))  # (what a process can take)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = []
     t0 = time.time()
-    for d, (part, (env, cpus)) in enumerate(zip(parts, places)):
-        p = ctx.Process(
-            target=_engine_main,
-            args=(d, part.rank, part.world_size, env, cpus, kwargs, q),
-            name=f"speculators-compat-engine-{d}",
+    procs = [_start_engine(ctx, d, part, place, job, q) for d, (part, place) in enumerate(zip(parts, places))]
+    summaries, failure = _follow(procs, q, dp, opts.progress)
+    if failure is not None:
+        _stop(procs)
+        d, why = failure
+        raise ShardFailedError(
+            f"data-parallel engine {d} of {dp} ({parts[d].label}; {', '.join(f'{k}={v}' for k, v in places[d][0].items())}) "
+            f"failed: {why}. The other engines were stopped; every file written is complete: run the "
+            "same command again to resume",
+            rank=parts[d].rank,
         )
-        p.start()
-        procs.append(p)
-        logger.info(
-            "engine %d (pid %d): %s, %s, CPUs %s",
-            d,
-            p.pid,
-            part.label,
-            ", ".join(f"{k}={v}" for k, v in env.items()),
-            _ranges(cpus),
-        )
-    from .progress import progress_bar
+    for p in procs:
+        p.join()
+    return merge_summaries([summaries[d] for d in range(dp)], output, time.time() - t0, opts.fmt)
+
+
+def _start_engine(ctx, d: int, part, place, job: tuple, q):
+    env, cpus = place
+    p = ctx.Process(
+        target=_engine_main,
+        args=(d, part.rank, part.world_size, env, cpus, job, q),
+        name=f"speculators-compat-engine-{d}",
+    )
+    p.start()
+    where = ", ".join(f"{k}={v}" for k, v in env.items())
+    logger.info("engine %d (pid %d): %s, %s, CPUs %s", d, p.pid, part.label, where, _ranges(cpus))
+    return p
+
+
+def _follow(procs, q, dp: int, progress) -> tuple[dict[int, dict], tuple[int, str] | None]:
+    """Show the engines' progress on one bar until each is done, or one failed or died:
+    (their summaries, (the failed engine, why) or None)."""
+    from ..progress import progress_bar
 
     bar, totals, summaries, early = None, {}, {}, 0
     failure: tuple[int, str] | None = None
@@ -188,18 +207,7 @@ def run_data_parallel(
     finally:
         if bar is not None:
             bar.close()
-    if failure is not None:
-        _stop(procs)
-        d, why = failure
-        raise ShardFailedError(
-            f"data-parallel engine {d} of {dp} ({parts[d].label}; {', '.join(f'{k}={v}' for k, v in places[d][0].items())}) "
-            f"failed: {why}. The other engines were stopped; every file written is complete: run the "
-            "same command again to resume",
-            rank=parts[d].rank,
-        )
-    for p in procs:
-        p.join()
-    return merge_summaries([summaries[d] for d in range(dp)], output, time.time() - t0)
+    return summaries, failure
 
 
 def _dead(procs, summaries: dict, gone: dict[int, float]) -> tuple[int, str] | None:
@@ -240,10 +248,9 @@ def _ranges(cpus: list[int]) -> str:
     )
 
 
-def merge_summaries(summaries: list[dict], output: str, wall_s: float) -> dict[str, Any]:
+def merge_summaries(summaries: list[dict], output: str, wall_s: float, fmt: str = "pt") -> dict[str, Any]:
     """One summary for the engines of a run: counts added up; throughput over the longest
     engine's compute phase (they run at once); ``engines``: each one's own summary."""
-    from pathlib import Path
 
     def total(key):
         return sum(s.get(key) or 0 for s in summaries)
@@ -271,7 +278,7 @@ def merge_summaries(summaries: list[dict], output: str, wall_s: float) -> dict[s
         }
         if checks
         else None,
-        "dataset_complete": (Path(output) / "manifest.json").exists(),
+        "dataset_complete": Layout.of(output, fmt).manifest.exists(),
         "per_engine": [
             {k: s.get(k) for k in ("rank", "world_size", "computed", "tokens_computed", "seconds", "tokens_per_s")}
             for s in summaries

@@ -11,12 +11,12 @@ import os
 import threading
 from pathlib import Path
 
-from ..errors import OutputError, WriterProcessDied
-from ..host import cuda_device_count, usable_cpus
-from . import ptfile
-from .files import file_name, write_sample
-from .outdir import OutputDir
-from .writers import _ChecksumLog, _Writer
+from ...errors import OutputError, WriterProcessDied
+from ...host import cuda_device_count, usable_cpus
+from ..output import ptfile
+from ..output.files import file_name, write_sample
+from ..output.outdir import OutputDir
+from .threads import _ChecksumLog, _Writer
 
 logger = logging.getLogger("speculators_compat.pipeline")
 

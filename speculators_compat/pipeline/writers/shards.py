@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .checksums import new_digest
-from .files import SHARD_TAG, atomic_write, distinct_states, read_shard_range, shard_name
-from .writers import _ChecksumLog, _Writer, default_writer_threads
+from ..output.checksums import new_digest
+from ..output.files import SHARD_TAG, atomic_write, distinct_states, read_shard_range, shard_name
+from .threads import _ChecksumLog, _Writer, default_writer_threads
 
 logger = logging.getLogger("speculators_compat.pipeline")
 

@@ -10,11 +10,11 @@ import os
 import queue
 import threading
 
-from ..errors import OutputError
-from ..host import usable_cpus
-from .checksums import DEFAULT_CHECKSUM
-from .files import file_name, write_sample
-from .outdir import OutputDir
+from ...errors import OutputError
+from ...host import usable_cpus
+from ..output.checksums import DEFAULT_CHECKSUM
+from ..output.files import file_name, write_sample
+from ..output.outdir import OutputDir
 
 
 class _ChecksumLog:

@@ -36,11 +36,12 @@ import os
 import time
 from pathlib import Path
 
-from ..errors import OutputError
+from ...errors import OutputError
+from ..ranks import Part, merged_extra
 from .checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum, file_digest
 from .files import SHARD_FILE_RE, atomic_write, data_file_index, done_from_shards, file_name, shard_name
+from .layout import Layout
 from .outlock import RANK_DIR_RE, OutputLock
-from .ranks import Part, merged_extra
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -70,6 +71,10 @@ class OutputDir(OutputLock):
         self._lock_fd: int | None = None
         self._rank_fd: int | None = None
         self._made_root = False  # (lock() made the directory: a refused run removes it again)
+
+    @property
+    def manifest_path(self) -> Path:
+        return Layout.of_states(self.root, self.fmt).manifest
 
     def owns(self, index: int) -> bool:
         return self.part.owns(index, self.unit)
@@ -242,8 +247,8 @@ class OutputDir(OutputLock):
 
     def _compare(self, old: dict, run_info: dict, fingerprints: dict | None) -> dict:
         """run.json to keep after comparing the recorded run with this one (OutputError if they differ)."""
-        from ..checkpoint import describe_model_change
-        from .dataset import describe_input_change
+        from ...checkpoint import describe_model_change
+        from ..dataset import describe_input_change
 
         old_fp = old.get("fingerprints") or {}
         describers = {"model": describe_model_change, "input": describe_input_change}
@@ -440,12 +445,14 @@ class OutputDir(OutputLock):
             lengths = {str(f["index"]): f["tokens"] for f in files}
             atomic_write(self.root / "sample_lengths.json", json.dumps(lengths, indent=1).encode())
         dataset = None
-        if self.fmt == "speculators-hs":  # its trainer's input_ids/loss_mask dataset, beside the states
+        where = Layout.of_states(self.root, self.fmt).trainer_dataset
+        if where is not None:  # its trainer's input_ids/loss_mask dataset (speculators-hs)
             from .trainer_dataset import write_dataset
 
             run = json.loads((self.root / "run.json").read_text())
             algo = self.checksum or DEFAULT_CHECKSUM
-            dataset = write_dataset(self.root.parent, run["input"], n_samples, run["max_model_len"], algo)
+            dataset = write_dataset(where, run["input"], n_samples, run["max_model_len"], algo)
+            dataset = {"path": os.path.relpath(where, self.root), **dataset}
         t = time.perf_counter()
         sync_filesystem(self.root)  # the files are durable before the manifest says the dataset is complete
         self.sync_s = time.perf_counter() - t
@@ -453,7 +460,7 @@ class OutputDir(OutputLock):
         if self.shard_size > 1:
             manifest["shard_size"] = self.shard_size
         if dataset is not None:
-            manifest["dataset"] = {"path": "..", **dataset}
+            manifest["dataset"] = dataset
         manifest.update(
             {
                 "format": self.fmt,

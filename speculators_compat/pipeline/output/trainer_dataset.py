@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 
-from ..errors import DatasetError
+from ...errors import DatasetError
 
 #: the files ``datasets.Dataset.save_to_disk`` writes (and ``load_from_disk`` reads)
 DATASET_FILES = ("state.json", "dataset_info.json")
@@ -41,8 +41,8 @@ def write_dataset(dest: Path, input_path: str, n_samples: int, max_model_len: in
     its size and ``checksum`` digest (for manifest.json; ``verify`` checks them)."""
     import datasets
 
+    from ..dataset import open_dataset
     from .checksums import file_digest
-    from .dataset import open_dataset
 
     max_len = max_model_len - 1
 
