@@ -8,6 +8,7 @@ patches through the ``vllm.general_plugins`` entry point. ``SPECULATORS_COMPAT_D
 from __future__ import annotations
 
 from . import hooks
+from ._version import __version__  # noqa: E402
 from .errors import (
     ArenaSpaceError,
     CaptureError,
@@ -20,8 +21,6 @@ from .errors import (
     WorkerDiedError,
     WriterProcessDied,
 )
-
-__version__ = "0.1.0"
 
 
 def patch() -> bool:

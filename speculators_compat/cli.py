@@ -34,7 +34,7 @@ def _doctor(args) -> int:
 def _demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(model=args.model, versions_only=False)
+    return run_demo(model=args.model)
 
 
 def _extract(args) -> int:

@@ -7,7 +7,7 @@ import os
 import time
 
 
-def run_demo(model: str = "llama", versions_only: bool = False) -> int:
+def run_demo(model: str = "llama") -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import speculators_compat  # noqa: F401  (the one-line change a user makes)
@@ -56,7 +56,7 @@ def run_demo(model: str = "llama", versions_only: bool = False) -> int:
             failures += bool(bad)
         failures += not ok
         print(f"{i:>4} {len(p):>6} " + " ".join(f"{e:>11.2e}" for e in errs) + ("" if ok else "  ORDER WRONG"))
-    gen.__del__()
+    gen.close()
     verdict = "MATCHES HF" if failures == 0 else f"{failures} MISMATCHES"
     print(f"result: {verdict} (per sequence and layer, relative Frobenius error vs HF float32)")
     return 0 if failures == 0 else 1

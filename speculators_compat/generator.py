@@ -116,7 +116,7 @@ class VllmHiddenStatesGenerator:
     every prompt, the token vLLM sampled at its last position must be the one our captured
     final-layer state there implies (the model's final norm and lm_head, in the workers), else
     ``generate()`` raises ``CaptureError`` naming the prompt; ``engine.self_check_stats`` counts
-    what was checked. Opt-in here because it cost 0.8-1.3% of ``generate()`` on an H200
+    what was checked. Opt-in here because it costs about 1% of ``generate()`` on a GPU
     (docs/benchmarks.md); ``engine.self_check = True`` turns it on for an engine already built.
     """
 

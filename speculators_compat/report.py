@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from . import hooks, versions
+from ._version import __version__
 
 
 def build_status(probe_engine: bool = False) -> dict:
     from .patches import all_patches
 
     st = {
-        "speculators_compat": __import__("speculators_compat").__version__,
+        "speculators_compat": __version__,
         "enabled": hooks.enabled(),
         "disabled_by_env": hooks.disabled_by_env(),
         "versions": versions.report(),
@@ -50,8 +51,8 @@ def speculators_path(installed: str | None) -> str:
     if v < versions.Version("0.5.0"):
         return f"{installed}: no patch declares this release (0.3.0 and 0.4.x have one)"
     return (
-        f"{installed}: has no generator (it extracts through vLLM's own extract_hidden_states, at "
-        "0.15-0.17x raw prefill on an H200); `extract --format speculators-hs` writes the "
+        f"{installed}: has no generator (it extracts through vLLM's own extract_hidden_states, "
+        "far slower than raw prefill: docs/benchmarks.md); `extract --format speculators-hs` writes the "
         "hs_{i}.safetensors + input_ids/loss_mask dataset its trainer reads"
     )
 

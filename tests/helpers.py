@@ -1,5 +1,7 @@
-"""Test helpers: run a Python snippet in a fresh interpreter (spawned vLLM workers need a real
-``__main__`` file) and read back a JSON result."""
+"""Test helpers shared by test modules (which never import each other): run a Python snippet in a
+fresh interpreter (spawned vLLM workers need a real ``__main__`` file) and read back a JSON result;
+the pipeline's input and output as tests make and read them; the drop-in generator checked
+against HF."""
 
 from __future__ import annotations
 
@@ -42,3 +44,36 @@ def run_snippet(body: str, env: dict | None = None, timeout: int = 900) -> tuple
         if line.startswith(RESULT_MARK):
             result = json.loads(line[len(RESULT_MARK) :])
     return result, log[-6000:]
+
+
+# -- the pipeline's input and output ----------------------------------------------------------------
+LENGTHS = [5, 300, 37, 120, 900, 17, 64, 8, 450, 50, 99, 10, 2100, 11]  # 2100 > max_model_len
+
+
+def make_jsonl(path: Path, lengths=LENGTHS, seed=0) -> list[dict]:
+    """A JSONL input of random prompts; every fourth has no loss_mask, the others a patterned one."""
+    from speculators_compat.testing import models
+
+    rows = []
+    for i, ids in enumerate(models.random_prompts(lengths, seed=seed)):
+        mask = [(j + i) % 3 != 0 for j in range(len(ids))]
+        rows.append({"input_ids": ids, "loss_mask": [int(m) for m in mask]} if i % 4 else {"input_ids": ids})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def read_dir(d: Path) -> dict[str, bytes]:
+    """An output's data files and manifest, by name (to compare two datasets byte for byte)."""
+    return {
+        p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name.startswith("data_") or p.name == "manifest.json"
+    }
+
+
+# -- the generator against HF --------------------------------------------------------------------
+def check_generate(gen, path, prompts, hf_ref, layers, tol):
+    """``gen.generate(prompts)``, checked: input order, every layer within ``tol`` of HF."""
+    from speculators_compat.testing import reference
+
+    res = gen.generate(prompts)
+    reference.check_results(res, prompts, hf_ref(path, layers), tol)
+    return res

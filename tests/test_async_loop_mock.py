@@ -49,13 +49,11 @@ def _engine_with(core):
     return eng
 
 
-def test_loop_drains_in_flight_batches(mocker):
+def test_loop_drains_in_flight_batches():
     core = FakeAsyncCore(5)
-    spy = mocker.spy(core, "step_fn")
     _engine_with(core)._drive()
     assert core.finished == 5, "stopped with batches still in flight: their captures would be lost"
     assert not core.batch_queue
-    assert spy.call_count == core.calls
 
 
 def test_loop_reports_a_stall(mocker):

@@ -172,10 +172,23 @@ def test_untested_future_vllm_warns_once(monkeypatch):
 
 
 def test_every_registered_patch_declares_itself():
+    """Every field doctor and the inventory print is there, and the test a patch names as its
+    proof exists (file and function)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
     for p in patches.all_patches():
         r = p.report()
         for key in ("name", "module", "targets", "package", "versions", "risk", "test", "description"):
             assert r[key], f"patch {p.name} does not declare {key}"
+        refs = re.findall(r"tests/[\w/]+\.py(?:::\w+)?", r["test"])
+        assert refs, f"patch {p.name} names no test file: {r['test']!r}"
+        for ref in refs:
+            path, _, func = ref.partition("::")
+            assert (root / path).is_file(), f"patch {p.name} names {path}, which does not exist"
+            if func:
+                assert re.search(rf"^def {func}\(", (root / path).read_text(), re.M), f"{p.name}: no {ref}"
         assert p.process in ("driver", "worker", "both")
         from packaging.specifiers import SpecifierSet
 

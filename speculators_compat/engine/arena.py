@@ -81,9 +81,8 @@ class Arena:
         free = [k for k, s in self.slabs.items() if s[0] not in busy]
         in_use = len(self.slabs) - len(free) + 1
         now = time.monotonic()
-        # the slabs asked for count as in use: kept through the same windows once the ask ends (a
-        # benchmark's plain generate() runs between its pipeline runs: measured on the H200, each
-        # released one, ~0.11 s, which the next pipeline run made again, ~0.35 s)
+        # the slabs asked for count as in use: kept through the same windows once the ask ends (plain
+        # generate() calls between pipeline runs would otherwise release slabs the next run makes again)
         self._in_use.append((now, max(in_use, self.want)))
         while len(self._in_use) > self.RECENT and now - self._in_use[0][0] > self.keep_s:
             self._in_use.popleft()  # older than both windows

@@ -103,7 +103,7 @@ class _CaptureState:
     nonfinite: list = field(default_factory=list)  # device flags: did a step's layer hold NaN/Inf?
     regions: dict = field(default_factory=dict)  # req_id -> {layer id: (buffer, byte offset)} of its prompt
     region_row_bytes: int = 0  # the row size those regions were sized with
-    fault: Any = None  # a test's injected fault (witness.inject_fault), None in use
+    fault: Any = None  # a test's injected fault (faults.Fault), None in use
 
 
 def install_capture(worker, layer_ids: list[int], record_all: bool = False, handoff_prefix: str | None = None) -> dict:
@@ -247,13 +247,16 @@ def _make_pre_forward(runner, st: _CaptureState):
                     "input batch no computed-token counts: rows cannot be placed"
                 )
             starts = [computed(i) for i in range(len(req_ids))]
-        req_ids = witness.faulty_layout(st, req_ids, counts, starts)
+        if st.fault is not None:  # (tests only: faults.py)
+            req_ids = st.fault.layout(req_ids, counts, starts)
         st.layout = (req_ids, counts, starts)
         device = positions.device if isinstance(positions, torch.Tensor) else None
         if st.record_all:
             st.record_order = scheduler_order(req_ids, counts, so, device) if st.runner_kind == "v2" else None
         else:
-            st.plan = witness.faulty_plan(st, plan_rows(st, req_ids, counts, starts, device), device)
+            st.plan = plan_rows(st, req_ids, counts, starts, device)
+            if st.fault is not None:
+                st.plan = st.fault.plan(st.plan, device)
         return None
 
     return pre_forward
@@ -400,6 +403,8 @@ def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int
         hidden, residual = output, None
     pick = (lambda t: t[source]) if isinstance(source, slice) else (lambda t: t.index_select(0, source))
     h = pick(hidden.detach())
+    if st.fault is not None:  # (tests only: faults.py)
+        h, residual = st.fault.rows(h, residual)
     if st.dtype is None or h.shape[-1] != st.hidden or h.dtype != st.dtype:  # first capture defines them
         st.hidden, st.dtype = int(h.shape[-1]), h.dtype
     row_bytes = st.hidden * h.element_size()
@@ -425,8 +430,6 @@ def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int
                 torch.add(h[row : row + n], res[row : row + n], out=dst)
             else:
                 dst.copy_(h[row : row + n])
-            if st.fault == "zero":
-                dst.zero_()
             st.nonfinite.append(_nonfinite_flag(dst))
     else:
         if residual is not None:
@@ -435,8 +438,6 @@ def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int
             val = h.clone()  # update in place while the copy below is in flight
         else:
             val = h  # index_select made it
-        if st.fault == "zero":
-            val = torch.zeros_like(val)
         # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
         st.nonfinite.append(_nonfinite_flag(val))
         for b, off, row, n in runs:

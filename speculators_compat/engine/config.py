@@ -158,9 +158,8 @@ def choose_start_method(requested: str | None, cuda_devices: int, environ) -> st
 
     On a CUDA host vLLM forks unless it sees CUDA initialised, but a driver that has queried CUDA
     without initialising it can no longer fork workers that use it: they die at start-up
-    ("Cannot re-initialize CUDA in forked subprocess"). Seen on the H200 (vLLM 0.20) with
-    speculators 0.3.0's class + the import on Kimi-K2.5, after importing speculators; spawned
-    workers started there. The script needs the usual ``if __name__ == "__main__":`` guard."""
+    ("Cannot re-initialize CUDA in forked subprocess"), as speculators 0.3.0's class + the import
+    do on a CUDA host after importing speculators; spawned workers start there. The script needs the usual ``if __name__ == "__main__":`` guard."""
     if requested is not None:
         if requested not in ("fork", "spawn"):
             raise ValueError(f"worker_start_method must be 'fork' or 'spawn', not {requested!r}")

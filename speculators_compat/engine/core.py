@@ -120,7 +120,7 @@ class ExtractionEngine:
         )
         # Each batch is announced without waiting for the reply, which comes back in order after
         # its steps (less driver time per batch: docs/benchmarks.md); vLLM 0.11 waits.
-        self.announce = "ahead" if self._can_announce_ahead else "wait"
+        self._announce_ahead = self._can_announce_ahead
         probe = self._rpc_rank0_raw("compat_ping")
         self._rpc_unwrap = isinstance(probe, list)
         infos = self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids, self._handoff_prefix))
@@ -210,7 +210,7 @@ class ExtractionEngine:
         expect = ({r: len(p) for r, p in zip(ids, prompts)}, busy, self.arena_slabs if self.lends_rows else 0)
         ahead = None
         try:
-            if self.announce == "ahead":  # the reply comes back in order, before the first step's
+            if self._announce_ahead:  # the reply comes back in order, before the first step's
                 ahead = self.executor.collective_rpc("compat_capture_expect", args=expect, non_block=True)
             else:
                 self.executor.collective_rpc("compat_capture_expect", args=expect)

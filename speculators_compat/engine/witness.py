@@ -13,8 +13,7 @@ It runs inside ``compat_capture_take``, after the batch's last step and before i
 over, on every rank (the gather is a collective: every rank must take part, so no rank skips it,
 whatever went wrong on rank 0).
 
-``inject_fault`` is a seam for tests: it makes the capture itself wrong in the worker (two
-requests' rows swapped, rows zeroed, rows shifted by one position), to show that the check fails.
+Tests make the capture itself wrong in the worker (faults.py) to show that the check fails.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import torch
 logger = logging.getLogger("speculators_compat.worker")
 
 TOP_K = 8  # logits handed back per request: enough to place a near-tie and size a gap
-FAULTS = ("swap", "zero", "shift")
 
 
 @dataclass
@@ -88,16 +86,16 @@ def make_last_row_hook(st, w: Witness):
         pick = [(rid, offsets[rid] + n - 1) for rid, start, n, _ in plan[1] if start + n == st.expected.get(rid)]
         if not pick:
             return None
-        if st.fault == "shift":  # as faulty_plan: each row one position late
-            pick = [(rid, max(r - 1, 0)) for rid, r in pick]
+        if st.fault is not None:  # (tests only: faults.py)
+            pick = st.fault.last_rows(pick)
         hidden = output[0] if isinstance(output, tuple) else output
         residual = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         # views of single rows, stacked: one kernel, no index tensor to send to the device
         h = torch.stack([hidden[r] for _, r in pick])
         if isinstance(residual, torch.Tensor):
             h = h + torch.stack([residual[r] for _, r in pick])
-        if st.fault == "zero":
-            h.zero_()
+        if st.fault is not None:
+            h, _ = st.fault.rows(h, None)
         for (rid, _), row in zip(pick, h):
             w.rows[rid] = row
         return None
@@ -188,36 +186,3 @@ def forget(worker, req_ids) -> None:
     if isinstance(w, Witness):
         for rid in req_ids:
             w.rows.pop(rid, None)
-
-
-# ---------------------------------------------------------------------------- the test seam
-def inject_fault(worker, kind: str | None) -> None:
-    """Make the capture wrong on purpose (tests only): ``swap`` exchanges the rows of the first two
-    requests of a step that have as many rows at the same positions (coverage still holds),
-    ``zero`` writes zeros, ``shift`` stores each row one position late; None: capture as it should."""
-    if kind is not None and kind not in FAULTS:
-        raise ValueError(f"fault must be one of {FAULTS} or None, not {kind!r}")
-    st = getattr(worker, "_compat_capture", None)
-    if st is not None:
-        st.fault = kind
-
-
-def faulty_layout(st, req_ids: list, counts: list, starts: list) -> list:
-    """The step's request order, with the ``swap`` fault applied."""
-    if st.fault != "swap":
-        return req_ids
-    for i in range(len(req_ids) - 1):
-        if counts[i] and counts[i] == counts[i + 1] and starts[i] == starts[i + 1]:
-            out = list(req_ids)
-            out[i], out[i + 1] = out[i + 1], out[i]
-            return out
-    return req_ids
-
-
-def faulty_plan(st, plan, device):
-    """The step's plan, with the ``shift`` fault applied: position p gets the row of p - 1."""
-    if st.fault != "shift" or plan is None:
-        return plan
-    source, kept = plan
-    idx = torch.arange(source.start, source.stop, device=device) if isinstance(source, slice) else source
-    return (idx - 1).clamp(min=0), kept

@@ -111,8 +111,10 @@ class CaptureExtension:
             w.rows.clear()
 
     def compat_inject_fault(self, kind: str | None) -> None:
-        """Tests only: make the capture wrong on purpose (witness.inject_fault)."""
-        witness.inject_fault(self, kind)
+        """Tests only: make the capture wrong on purpose (faults.py)."""
+        from .faults import inject_fault
+
+        inject_fault(self, kind)
 
     def compat_capture_reset(self) -> None:
         st = getattr(self, "_compat_capture", None)

@@ -301,9 +301,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--avg-tokens", type=float, default=None)
     p.add_argument("--batch-size", type=_positive_int, default=8, help="as for extract: sizes the host hand-off arena")
     p.add_argument("--queue-size", type=_positive_int, default=2, help="as for extract: sizes the host hand-off arena")
-    p.add_argument(
-        "--gpu-memory-gib", type=float, default=None, help="per-GPU memory (default: detect, else 141 GiB H200)"
-    )
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory (default: detect, else 141 GiB)")
     p.add_argument("--world-size", type=_positive_int, default=None, help="as for extract: each part's share")
     p.add_argument("--data-parallel-size", type=_positive_int, default=None, help="as for extract: parts per host")
     p.add_argument("--json", action="store_true")

@@ -95,3 +95,16 @@ def compare(results, prompts, reference: HFReference, tol: float, layer_ids=None
             if not rel <= tol:
                 bad.append(Mismatch(i, lid, float(diff.abs().max()), rel, tuple(got.shape)))
     return worst, bad
+
+
+def check_results(results, prompts, reference: HFReference, tol: float) -> float:
+    """Assert that ``results`` (``generate()``'s dicts) come in the prompts' order, each with one
+    state per reference layer, and that every layer of every sequence is within ``tol`` of HF;
+    returns the worst relative error."""
+    assert len(results) == len(prompts), (len(results), len(prompts))
+    for r, p in zip(results, prompts):  # input order
+        assert r["input_ids"].tolist() == p
+        assert len(r["hidden_states"]) == len(reference.layer_ids)
+    worst, bad = compare([r["hidden_states"] for r in results], prompts, reference, tol)
+    assert not bad, f"worst rel err {worst}; mismatches: {bad[:5]}"
+    return worst

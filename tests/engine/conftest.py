@@ -1,6 +1,7 @@
 """Real-engine tests: need vLLM (an environment from scripts/engine_env.py)."""
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -12,10 +13,14 @@ from packaging.version import Version  # noqa: E402
 from speculators_compat import versions  # noqa: E402
 from speculators_compat.testing import models, reference  # noqa: E402
 
+HERE = Path(__file__).resolve().parent
+
 
 def pytest_collection_modifyitems(items):
+    # (a conftest's hook sees the whole session's items: only this folder's are engine tests)
     for it in items:
-        it.add_marker(pytest.mark.engine)
+        if HERE in Path(str(it.path)).resolve().parents:
+            it.add_marker(pytest.mark.engine)
 
 
 @pytest.fixture(scope="session")

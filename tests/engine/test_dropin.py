@@ -9,6 +9,7 @@ from packaging.version import Version
 
 from speculators_compat import VllmHiddenStatesGenerator
 from speculators_compat.testing import models, reference
+from tests.helpers import check_generate
 
 TOL = reference.TOLERANCE["float32"]
 LAYERS = [5, 0, 3]  # deliberately unsorted: results follow this order
@@ -33,16 +34,7 @@ def gen(llama_path):
 
 
 def check(gen, path, prompts, hf_ref, layers=LAYERS):
-    res = gen.generate(prompts)
-    assert [r["input_ids"].tolist() for r in res] == prompts
-    worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, hf_ref(path, layers), TOL)
-    assert not bad, f"worst {worst}: {bad[:5]}"
-    return res
-
-
-def test_async_keep_resolves_to_vllm_choice(gen):
-    # on CPU vLLM forces async scheduling off; the GPU branch is covered by the H200 run and the mock test
-    assert gen.vllm_config.scheduler_config.async_scheduling in (False, None)
+    return check_generate(gen, path, prompts, hf_ref, layers, TOL)
 
 
 @pytest.mark.parametrize("n", [1, 13, 40])
@@ -204,10 +196,6 @@ def test_bad_inputs_leave_the_engine_usable(gen, llama_path, hf_ref):
     check(gen, llama_path, models.random_prompts([33], seed=2), hf_ref)
 
 
-def test_version_floor(vllm_version):
-    assert vllm_version >= Version("0.11")
-
-
 def test_announcing_ahead_gives_the_same_states_and_surfaces_its_failure(
     gen, llama_path, hf_ref, vllm_version, monkeypatch
 ):
@@ -218,15 +206,15 @@ def test_announcing_ahead_gives_the_same_states_and_surfaces_its_failure(
     has no ordered replies: there it waits (the path compared with here, set on the engine)."""
     eng = gen.engine
     if vllm_version < Version("0.12"):
-        assert eng.announce == "wait"
+        assert not eng._announce_ahead
         return
-    assert eng.announce == "ahead"
+    assert eng._announce_ahead
     prompts = models.random_prompts([700, 5, 130, 37, 1500, 17, 64, 8, 256, 50, 99, 10, 11], seed=77)
-    eng.announce = "wait"
+    eng._announce_ahead = False
     try:
         waited = [[h.clone() for h in r["hidden_states"]] for r in check(gen, llama_path, prompts, hf_ref)]
     finally:
-        eng.announce = "ahead"
+        eng._announce_ahead = True
     try:
         ahead = check(gen, llama_path, prompts, hf_ref)
         assert all(torch_equal(a, b) for r, w in zip(ahead, waited) for a, b in zip(r["hidden_states"], w))
@@ -238,7 +226,7 @@ def test_announcing_ahead_gives_the_same_states_and_surfaces_its_failure(
         monkeypatch.undo()
         check(gen, llama_path, prompts, hf_ref)
     finally:
-        eng.announce = "ahead"
+        eng._announce_ahead = True
 
 
 def torch_equal(a, b):

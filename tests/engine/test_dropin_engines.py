@@ -17,7 +17,14 @@ from packaging.version import Version
 from speculators_compat import VllmHiddenStatesGenerator
 from speculators_compat.errors import CaptureError
 from speculators_compat.testing import models, reference
-from tests.engine.test_dropin import LAYERS, TOL, check
+from tests.helpers import check_generate
+
+TOL = reference.TOLERANCE["float32"]
+LAYERS = [5, 0, 3]  # deliberately unsorted: results follow this order
+
+
+def check(gen, path, prompts, hf_ref, layers=LAYERS):
+    return check_generate(gen, path, prompts, hf_ref, layers, TOL)
 
 
 @pytest.mark.ends

@@ -12,18 +12,9 @@ import pytest
 from speculators_compat.errors import OutputError
 from speculators_compat.pipeline.extract import run_extract
 from speculators_compat.testing import models, reference
+from tests.helpers import LENGTHS, make_jsonl, read_dir
 
 LAYERS = [1, 3, 5]
-LENGTHS = [5, 300, 37, 120, 900, 17, 64, 8, 450, 50, 99, 10, 2100, 11]  # 2100 > max_model_len
-
-
-def make_jsonl(path: Path, lengths=LENGTHS, seed=0) -> list[dict]:
-    rows = []
-    for i, ids in enumerate(models.random_prompts(lengths, seed=seed)):
-        mask = [(j + i) % 3 != 0 for j in range(len(ids))]
-        rows.append({"input_ids": ids, "loss_mask": [int(m) for m in mask]} if i % 4 else {"input_ids": ids})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rows
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +31,6 @@ def gen(llama_path):
     )
     yield g
     g.close()
-
-
-def read_dir(d: Path) -> dict[str, bytes]:
-    return {
-        p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name.startswith("data_") or p.name == "manifest.json"
-    }
 
 
 def test_layout_states_and_speculators_loader(gen, llama_path, hf_ref, tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.test_pipeline import make_jsonl, read_dir
+from tests.helpers import make_jsonl, read_dir
 
 
 def _worker_pids(pid: int) -> list[int]:

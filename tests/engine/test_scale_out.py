@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from speculators_compat.testing import reference
-from tests.engine.test_pipeline import make_jsonl, read_dir
+from tests.helpers import make_jsonl, read_dir
 
 pytestmark = pytest.mark.slow
 

@@ -85,7 +85,7 @@ def expectation_04(version):
 
 
 def probe_04(env: dict):
-    return run_py(REPO / "scripts" / "probe_speculators04.py", [], "PROBE", release("0.4.0"), env)
+    return run_py(REPO / "scripts" / "probes" / "probe_speculators04.py", [], "PROBE", release("0.4.0"), env)
 
 
 def test_04_unpatched_as_measured(vllm_version):

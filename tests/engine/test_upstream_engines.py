@@ -5,8 +5,16 @@ their own, kept apart from test_upstream_patched.py's module-wide engines (one e
 import pytest
 
 import speculators_compat  # noqa: F401  (the user's one-line change)
-from speculators_compat.testing import models
-from tests.engine.test_upstream_patched import LAYERS, _check  # input order, every layer vs HF (bf16)
+from speculators_compat.testing import models, reference
+from tests.helpers import check_generate
+
+LAYERS = [1, 3, 5]
+TOL = reference.TOLERANCE["bfloat16"]
+
+
+def _check(gen, path, prompts, hf_ref):  # input order, every layer vs HF (bf16)
+    res = check_generate(gen, path, prompts, hf_ref, LAYERS, TOL)
+    assert all(r["loss_mask"] is None for r in res)
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ def file_digest(path: Path, name: str) -> str | None:
     return h.hexdigest()
 
 
-class _HashingFile(io.RawIOBase):
+class HashingFile(io.RawIOBase):
     """A write-only file that hashes and counts what passes through it."""
 
     def __init__(self, f, checksum: str = DEFAULT_CHECKSUM):

@@ -2,8 +2,8 @@
 
 A ``data_{i}.pt`` archive stores each tensor as a zip record with that record's CRC-32, and the
 pipeline's ``checksums.jsonl`` holds the CRC-32 of the whole file. Hashing the file again would read
-every byte of every hidden state a second time: for a Kimi-K2.5-width sample (2,048 tokens x 7,168 x
-4 layers, bf16: 117 MB) that is ~30 ms of CPU a file at zlib's ~4 GB/s. Instead the file's CRC is
+every byte of every hidden state a second time (a Kimi-K2.5-width sample of 2,048 tokens x 7,168 x
+4 layers, bf16, is 117 MB; docs/benchmarks.md has the cost). Instead the file's CRC is
 built from the record CRCs the archive already has, with the identity
 
     crc(A + B) = crc(A) * x^(8 len(B))  (mod P)   XOR   crc(B)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import crc, ptfile
-from .checksums import DEFAULT_CHECKSUM, _HashingFile, new_digest
+from .checksums import DEFAULT_CHECKSUM, HashingFile, new_digest
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -61,8 +61,8 @@ def write_sample(
     path: Path, sample: dict[str, Any], fmt: str, checksum: str = DEFAULT_CHECKSUM
 ) -> tuple[str | None, int]:
     """Write ``sample`` atomically to ``path``; returns (checksum hex or None, bytes). A ``pt`` sample
-    is built by :mod:`ptfile` (torch.save's bytes, written from the states' own memory: 0.29-0.30
-    against 0.46 ms a tiny-model file) unless it declines. Otherwise a sample whose states exceed
+    is built by :mod:`ptfile` (torch.save's bytes, written from the states' own memory, faster:
+    docs/benchmarks.md) unless it declines. Otherwise a sample whose states exceed
     ``SMALL_SAMPLE_BYTES`` streams torch.save into the file through a hash (no in-memory copy); a
     smaller one is serialised in memory and written with one call. All give the same bytes."""
     if fmt == "pt":
@@ -87,7 +87,7 @@ def write_sample(
 
     tmp = path.with_name(f".{path.name}.partial")
     with open(tmp, "wb") as f:
-        hf = _HashingFile(f, checksum)
+        hf = HashingFile(f, checksum)
         torch.save(sample, hf)
     os.replace(tmp, path)
     return hf.h.hexdigest(), hf.n

@@ -1,8 +1,8 @@
 """A fast writer of ``data_{i}.pt`` files, byte for byte what ``torch.save`` writes.
 
 Why: on a small model the pipeline writes thousands of small files a second, and torch.save's
-per-call cost (its pickler class, its zip writer, a Python file object) was most of the CPU a file
-took on the 2-core test machine. This module builds the same archive directly: the pickle comes
+per-call cost (its pickler class, its zip writer, a Python file object) is most of the CPU a small
+file takes. This module builds the same archive directly: the pickle comes
 from Python's C pickler over light stand-ins for the tensors, the zip records from ``struct``, and
 the tensors' bytes are never copied (``os.writev`` reads them where they lie).
 

@@ -9,14 +9,16 @@ import atexit
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ...errors import OutputError, WriterProcessDied
 from ...host import cuda_device_count, usable_cpus
 from ..output import ptfile
 from ..output.files import file_name, write_sample
 from ..output.outdir import OutputDir
-from .threads import _ChecksumLog, _Writer
+from .threads import ChecksumLog, Writer
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -47,10 +49,8 @@ def _died(proc, exitcode) -> WriterProcessDied:
 def default_writer_processes(gpu_workers: int | None = None) -> int:
     """On a GPU host, every CPU but two (the driver, and one spare for the read-ahead thread, the
     kernel's writeback and whatever else the host runs) and one per engine worker (the driver and
-    the workers spin while the GPUs work), 2..16. On the 16-core H200 host (TP 1) that is 13:
-    with 13 the pipeline reached 0.934 and 0.908 of ``generate()`` over 40 batches against 0.897
-    with 14 in the same run, whose last files took as long (0.078 against 0.076 s); 4 and 8 were
-    far too few (docs/benchmarks.md). ``gpu_workers`` is the engine's
+    the workers spin while the GPUs work), 2..16: fewer left the pipeline behind ``generate()``,
+    one more gained nothing (docs/benchmarks.md). ``gpu_workers`` is the engine's
     tensor-parallel size (default 1). Elsewhere half the CPUs, 2..16: a CPU engine needs its
     cores."""
 
@@ -126,29 +126,29 @@ def _writer_process_main(task_conn, result_conn) -> None:
         if task == "ping":  # _WriterPool.wait_ready: torch is imported, tasks are read
             result_conn.send(("pong", []))
             continue
-        root, fmt, checksum, entries = task
         done = []
-        for index, input_ids, loss_mask, blocks, hidden, dtype_name in entries:
+        for t in task.samples:
             layers = sample = buf = None
             try:
-                dtype = getattr(torch, dtype_name)
+                dtype = getattr(torch, t.dtype)
                 layers = []
-                for path, off, rows in blocks:
+                for path, off, rows in t.blocks:
                     mm = maps.get(path)
                     if mm is None:
                         with open(path, "r+b") as f:
                             mm = maps[path] = mmap.mmap(f.fileno(), 0)
-                    buf = np.frombuffer(mm, dtype=np.uint8, count=rows * hidden * dtype.itemsize, offset=off)
-                    layers.append(torch.from_numpy(buf).view(dtype).view(rows, hidden))
+                    buf = np.frombuffer(mm, dtype=np.uint8, count=rows * t.hidden * dtype.itemsize, offset=off)
+                    layers.append(torch.from_numpy(buf).view(dtype).view(rows, t.hidden))
                 sample = {
-                    "input_ids": torch.from_numpy(input_ids),
+                    "input_ids": torch.from_numpy(t.input_ids),
                     "hidden_states": layers,
-                    "loss_mask": torch.from_numpy(loss_mask),
+                    "loss_mask": torch.from_numpy(t.loss_mask),
                 }
-                digest, nbytes = write_sample(Path(root) / file_name(index, fmt), sample, fmt, checksum)
-                done.append((index, digest, nbytes, int(input_ids.size)))
+                path = Path(task.root) / file_name(t.index, task.fmt)
+                digest, nbytes = write_sample(path, sample, task.fmt, task.checksum)
+                done.append((t.index, digest, nbytes, int(t.input_ids.size)))
             except BaseException as e:  # reported to the driver, which stops the run
-                result_conn.send(("error", done, index, f"{type(e).__name__}: {e}"))
+                result_conn.send(("error", done, t.index, f"{type(e).__name__}: {e}"))
                 done = None
                 break
             finally:
@@ -161,6 +161,39 @@ def _writer_process_main(task_conn, result_conn) -> None:
                 maps.pop(p).close()
             except BufferError:  # still referenced (cannot happen once the sample is dropped)
                 pass
+
+
+@dataclass
+class SampleTask:
+    """One sample a writer process writes: its ids and mask, and where its rows lie (wire record)."""
+
+    index: int
+    input_ids: Any  # numpy int64 [tokens]
+    loss_mask: Any  # numpy int64 [tokens]
+    blocks: list[tuple[str, int, int]]  # per layer: (arena file, byte offset, rows)
+    hidden: int
+    dtype: str  # torch dtype name
+
+
+@dataclass
+class WriteTask:
+    """A process's share of one batch (wire record, pickled into its task pipe)."""
+
+    root: str
+    fmt: str
+    checksum: str
+    samples: list[SampleTask]
+
+
+@dataclass
+class InFlight:
+    """A sample handed to the writers and not yet written: the driver holds it (so its rows are
+    not reused) until its file is recorded."""
+
+    batch: int
+    sample: dict
+    proc: Any = None  # the _WriterProc writing it; None: a local thread
+    size: int = 0  # its states' bytes, counted in that process's load
 
 
 class _WriterProc:
@@ -302,12 +335,12 @@ def shutdown_writer_pool(graceful: bool = True) -> None:
             _POOL = None
 
 
-class ProcessWriter(_Writer):
+class ProcessWriter(Writer):
     """Writes samples in separate processes, free of the driver's GIL.
 
     Why: the engine's driver thread spins on vLLM's shared-memory queue while the GPU works, and
-    writer *threads* then wait on the GIL: on an H200 host the thread writer managed ~2.7 GiB/s
-    in the pipeline against 6.2 GiB/s alone. Samples whose rows are lent arena blocks (the
+    writer *threads* then wait on the GIL, at a fraction of what they write alone
+    (docs/benchmarks.md). Samples whose rows are lent arena blocks (the
     engine's zero-copy hand-off: every prompt, by default) travel as (file, offset, rows); the rest
     (copied rows: zero-copy off, or rows that fell back to several blocks) are written on a local
     thread. Each batch is split over the processes by bytes still to write (least loaded first). The driver holds every sample until its file
@@ -340,10 +373,9 @@ class ProcessWriter(_Writer):
         # time put() and close() spent waiting while a process had not started yet (its torch
         # import, ~1-3 s): not the disk's doing, so kept out of wait_s and tail_s
         self.start_wait_s = 0.0
-        self._sums = _ChecksumLog(out)
+        self._sums = ChecksumLog(out)
         self._cv = threading.Condition()  # the local threads report through it too
-        self._pending: dict[int, tuple[int, dict]] = {}  # index -> (batch, sample), until written
-        self._sizes: dict[int, tuple[_WriterProc, int]] = {}  # index -> (process, bytes), until written
+        self._pending: dict[int, InFlight] = {}  # index -> the sample handed over, until written
         self._batches: dict[int, int] = {}  # batch -> samples not yet written
         self._nbatch = 0
         self._local = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculators-compat-write")
@@ -367,8 +399,8 @@ class ProcessWriter(_Writer):
             self._nbatch += 1
             self._batches[batch] = len(items)
             for index, sample in items:
-                self._pending[index] = (batch, sample)
-        tasks: dict[int, list] = {}
+                self._pending[index] = InFlight(batch, sample)
+        tasks: dict[int, list[SampleTask]] = {}
         procs = self.pool.procs
         for index, sample in items:
             blocks = [self.describe(h) for h in sample["hidden_states"]]
@@ -377,9 +409,10 @@ class ProcessWriter(_Writer):
                 size = sum(h.numel() * h.element_size() for h in sample["hidden_states"])
                 k = min(range(len(procs)), key=lambda i: procs[i].load)  # least bytes still to write
                 procs[k].load += size
-                self._sizes[index] = (procs[k], size)
+                with self._cv:
+                    self._pending[index].proc, self._pending[index].size = procs[k], size
                 tasks.setdefault(k, []).append(
-                    (
+                    SampleTask(
                         index,
                         np.ascontiguousarray(sample["input_ids"].numpy()),
                         np.ascontiguousarray(sample["loss_mask"].numpy()),
@@ -391,9 +424,9 @@ class ProcessWriter(_Writer):
             else:
                 self._local.submit(self._write_local, index, sample)
                 self.on_threads += 1
-        for k, entries in tasks.items():  # one message per process and batch
-            procs[k].send((str(self.out.root), self.out.fmt, self._sums.checksum, entries))
-            self.in_processes += len(entries)
+        for k, samples in tasks.items():  # one message per process and batch
+            procs[k].send(WriteTask(str(self.out.root), self.out.fmt, self._sums.checksum, samples))
+            self.in_processes += len(samples)
 
     def _write_local(self, index: int, sample: dict) -> None:
         try:
@@ -420,13 +453,12 @@ class ProcessWriter(_Writer):
             if index not in self._pending:  # not ours (cannot happen: the pool restarts after a failure)
                 raise OutputError(f"writer process reported sample {index}, which this run did not send")
             self._sums.add(index, digest, nbytes, tokens)
-            batch, _ = self._pending.pop(index)  # drops the sample: its rows may be reused
-            proc, size = self._sizes.pop(index, (None, 0))
-            if proc is not None:
-                proc.load -= size
-            self._batches[batch] -= 1
-            if not self._batches[batch]:
-                del self._batches[batch]
+            done = self._pending.pop(index)  # drops the sample: its rows may be reused
+            if done.proc is not None:
+                done.proc.load -= done.size
+            self._batches[done.batch] -= 1
+            if not self._batches[done.batch]:
+                del self._batches[done.batch]
             self._cv.notify_all()
 
     def _fail(self, e: BaseException) -> None:
@@ -453,7 +485,9 @@ class ProcessWriter(_Writer):
     def _wait_step(self) -> float:
         """How long one wait for results may last: short while task bytes wait for room in a
         pipe, or local threads are writing (they report through the condition, not a pipe)."""
-        if any(w.outbox for w in self.pool.procs) or len(self._pending) > len(self._sizes):
+        with self._cv:  # (local threads pop what they wrote)
+            local = any(f.proc is None for f in self._pending.values())
+        if any(w.outbox for w in self.pool.procs) or local:
             return 0.005
         return 0.5
 
@@ -501,7 +535,6 @@ class ProcessWriter(_Writer):
                 shutdown_writer_pool(graceful=False)
             with self._cv:
                 self._pending.clear()
-                self._sizes.clear()
         finally:
             self.pool.lock.release()
         self.check()

@@ -8,7 +8,7 @@ ids). The file's safetensors metadata key ``speculators_compat`` holds JSON with
 (``first``, ``end``) and the indices it holds, so ``load_shard`` (or any safetensors reader) finds
 them without a manifest.
 
-Why: one file per sample costs a fixed ~0.2-0.5 ms of serialising, hashing, creating and renaming,
+Why: one file per sample costs a fixed time of serialising, hashing, creating and renaming,
 whatever its size. For small hidden states (small drafts, short prompts, millions of samples) that
 fixed cost is most of the writing, and a million samples is a million files. speculators 0.3.0's
 trainer reads only ``data_{i}.pt``; shards are for readers of our own (``load_shard``) or others.
@@ -19,10 +19,8 @@ the end of the input (``end >= total``). A last shard written by a shorter run (
 is computed again and rewritten, so a resumed dataset is byte-identical to an uninterrupted one.
 
 Complete shards are written on a pool of threads (``--writer-threads``, default half the CPUs,
-2..8). On the H200 host (1.1B model, bf16) that was 392 MiB/s with one thread and 729 MiB/s with
-8, and the pipeline kept 0.089 and 0.163 of ``generate()``, against ~0.89 with ``data_{i}.pt`` from
-the writer processes (docs/benchmarks.md): the threads share the GIL with the
-driver. States of several MB a sample gain nothing from sharing a file; shards are for small ones.
+2..8), far slower than the writer processes that write ``data_{i}.pt`` (docs/benchmarks.md):
+the threads share the GIL with the driver. States of several MB a sample gain nothing from sharing a file; shards are for small ones.
 
 The shard writer holds the shard being filled and at most one shard per writer thread being
 written (each up to N samples, copied out of the engine's lent rows so that the engine can reuse
@@ -41,7 +39,7 @@ from typing import Any
 
 from ..output.checksums import new_digest
 from ..output.files import SHARD_TAG, atomic_write, distinct_states, read_shard_range, shard_name
-from .threads import _ChecksumLog, _Writer, default_writer_threads
+from .threads import ChecksumLog, Writer, default_writer_threads
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -100,7 +98,7 @@ def load_shard(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-class ShardWriter(_Writer):
+class ShardWriter(Writer):
     """Like BackgroundWriter (put / check / close, the same counters), but groups samples into
     shards. ``put(items, upto)`` says that every index below ``upto`` has been handed over: the
     shards below it are written then. ``finish(n)`` lets the last shard, which ends at ``n``, be
@@ -122,7 +120,7 @@ class ShardWriter(_Writer):
         self.q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.error: BaseException | None = None
         self.wait_s = self.tail_s = self.start_wait_s = 0.0
-        self._sums = _ChecksumLog(out)
+        self._sums = ChecksumLog(out)
         self._pending: dict[int, list[tuple[int, dict]]] = {}  # shard -> its samples so far (owned copies)
         self._end: int | None = None
         self._t = threading.Thread(target=self._loop, name="speculators-compat-shards", daemon=True)

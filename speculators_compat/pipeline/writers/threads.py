@@ -1,4 +1,4 @@
-"""What the pipeline's writers share (``_Writer``: the first failure, the checksum log, the counts)
+"""What the pipeline's writers share (``Writer``: the first failure, the checksum log, the counts)
 and the thread writer (``BackgroundWriter``). The process writer (procwriter.py) and the shard
 writer (shards.py) build on the same base.
 """
@@ -17,7 +17,7 @@ from ..output.files import file_name, write_sample
 from ..output.outdir import OutputDir
 
 
-class _ChecksumLog:
+class ChecksumLog:
     """``checksums.jsonl``: one line per finished file, appended as files complete (both writers).
     Not locked: callers serialise ``add``."""
 
@@ -58,13 +58,12 @@ class _ChecksumLog:
 
 def default_writer_threads() -> int:
     """Half the CPUs, 2..8 (1 on one CPU). Each thread streams torch.save through the file's
-    checksum (with sha256 ~0.6-1 GiB/s a thread); an H200 host's generate() outruns 4 of them
-    (docs/benchmarks.md)."""
+    checksum; a GPU host's generate() outruns a few of them (docs/benchmarks.md)."""
     cpus = usable_cpus()
     return min(8, max(min(2, cpus), cpus // 2))
 
 
-class _Writer:
+class Writer:
     """What the pipeline's writers share: the first failure, which ``check()`` raises to the
     producer, and the counts of what this run wrote (from its checksum log)."""
 
@@ -102,7 +101,7 @@ class _Writer:
                 self.error = e
 
 
-class BackgroundWriter(_Writer):
+class BackgroundWriter(Writer):
     """Writes (index, sample) items on a thread; ``queue_size`` bounds what waits in memory."""
 
     def __init__(self, out: OutputDir, queue_size: int = 2, threads: int | None = None):
@@ -114,7 +113,7 @@ class BackgroundWriter(_Writer):
         self.wait_s = 0.0  # time put() spent waiting for room in the queue
         self.tail_s = 0.0  # time close() spent waiting for the last writes
         self.start_wait_s = 0.0  # (threads start at once; see ProcessWriter)
-        self._sums = _ChecksumLog(out)
+        self._sums = ChecksumLog(out)
         self._lock = threading.Lock()
         # Files of one batch are written in parallel (hashing and file writes release the GIL);
         # the next batch waits, so memory stays bounded by queue_size + 1 batches.

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # On a GPU machine where vLLM is installed into $SITE (the ../shared/gpu bundle puts vLLM 0.20.0 in
 # /tmp/site): expose this source tree with its vLLM plugin entry point, then run the GPU checks.
-#   bash scripts/gpu_run.sh correctness OUTDIR     # engines vs HF on the GPU, async keep/disable
-#   bash scripts/gpu_run.sh bench OUTDIR [ARGS]    # throughput: raw vLLM, generate, pipeline, vLLM's own
+#   bash scripts/gpu/gpu_run.sh correctness OUTDIR     # engines vs HF on the GPU, async keep/disable
+#   bash scripts/gpu/gpu_run.sh bench OUTDIR [ARGS]    # throughput: raw vLLM, generate, pipeline, vLLM's own
 #        extractor and HF on a ~1.1B Llama-shaped model (ARGS to benchmarks/throughput.py, e.g. --batches 16)
-#   bash scripts/gpu_run.sh selfcheck OUTDIR [ARGS] # the self-check's cost (benchmarks/self_check.py ARGS)
-#   bash scripts/gpu_run.sh dp OUTDIR [ARGS]       # one engine against 2 sharing the GPU (benchmarks/data_parallel.py)
-#   bash scripts/gpu_run.sh kimi OUTDIR [ARGS]     # Kimi-K2.5-width DeepSeek-V3 model, few layers
-#        (ARGS to scripts/gpu_kimi_shaped.py, e.g. --tp 1,2, or --tp 2 --pipeline)
+#   bash scripts/gpu/gpu_run.sh selfcheck OUTDIR [ARGS] # the self-check's cost (benchmarks/self_check.py ARGS)
+#   bash scripts/gpu/gpu_run.sh dp OUTDIR [ARGS]       # one engine against 2 sharing the GPU (benchmarks/data_parallel.py)
+#   bash scripts/gpu/gpu_run.sh kimi OUTDIR [ARGS]     # Kimi-K2.5-width DeepSeek-V3 model, few layers
+#        (ARGS to scripts/gpu/gpu_kimi_shaped.py, e.g. --tp 1,2, or --tp 2 --pipeline)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SITE=${SITE:-/tmp/site}
 export PYTHONPATH="$SITE:$PWD" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 \
        VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING} TOKENIZERS_PARALLELISM=false
@@ -20,7 +20,7 @@ printf '[vllm.general_plugins]\nspeculators_compat = speculators_compat.plugin:r
 mode=${1:?correctness or bench}; out=${2:?output dir}; shift 2; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 if [ "$mode" = kimi ]; then
-  python3 scripts/gpu_kimi_shaped.py "$out" "$@" 2>&1 | tee -a "$out/kimi.log" | grep -v "^INFO"
+  python3 scripts/gpu/gpu_kimi_shaped.py "$out" "$@" 2>&1 | tee -a "$out/kimi.log" | grep -v "^INFO"
 elif [ "$mode" = dp ]; then
   python3 benchmarks/data_parallel.py --json "$out/data_parallel.json" "$@" 2>&1 | tee "$out/data_parallel.log" | grep -v "^INFO"
 elif [ "$mode" = selfcheck ]; then
@@ -30,5 +30,5 @@ elif [ "$mode" = bench ]; then
       --max-num-batched-tokens 8192 --gpu-memory-utilization 0.25 --json "$out/bench.json" "$@" 2>&1 \
       | tee "$out/bench.log" | grep -v "^INFO"
 else
-  python3 scripts/gpu_check.py "$out" 2>&1 | tee "$out/correctness.log" | grep -v "^INFO"
+  python3 scripts/gpu/gpu_check.py "$out" 2>&1 | tee "$out/correctness.log" | grep -v "^INFO"
 fi

@@ -14,7 +14,7 @@ dataset must be byte-identical to the uninterrupted one.
 speculators_compat/testing/kimi.py), loaded with trust_remote_code; --int4 G: its routed experts as
 compressed-tensors INT4 (pack-quantized, group G; Kimi-K2.5 uses 32); the HF reference then runs
 the dequantized weights, which is what the engine computes with.
-    python scripts/gpu_kimi_shaped.py OUTDIR [--tp 1,2] [--pipeline] [--layers 3] [--experts 16]
+    python scripts/gpu/gpu_kimi_shaped.py OUTDIR [--tp 1,2] [--pipeline] [--layers 3] [--experts 16]
                                       [--kimi-k25 [--int4 32]]
 """
 

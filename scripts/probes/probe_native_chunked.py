@@ -8,7 +8,7 @@ CPU stand-in) on a built-in tiny model, prompts of mixed lengths and a small tok
 then compares every prompt's file with HF float32 per layer (relative Frobenius error). Prompts
 longer than the budget are split; so are shorter ones that do not fit in what a step has left.
 
-    PYTHONPATH=$PWD python scripts/probe_native_chunked.py --json native-chunked.json
+    PYTHONPATH=$PWD python scripts/probes/probe_native_chunked.py --json native-chunked.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> int:

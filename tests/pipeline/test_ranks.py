@@ -99,10 +99,10 @@ def _rank(root, r, world=2, **run):
 
 
 def _write(out, i, data=b"x" * 10):
-    from speculators_compat.pipeline.writers.threads import _ChecksumLog
+    from speculators_compat.pipeline.writers.threads import ChecksumLog
 
     (out.root / f"data_{i}.pt").write_bytes(data)
-    log = _ChecksumLog(out)
+    log = ChecksumLog(out)
     import zlib
 
     log.add(i, f"{zlib.crc32(data):08x}", len(data), 5)

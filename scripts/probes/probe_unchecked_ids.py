@@ -5,7 +5,7 @@ The engine loop hands vLLM token ids directly (past the input processor that che
 that check off (``run(..., ids_checked=True)``) and feeds ids at and beyond ``vocab_size`` and a
 negative one, on the tiny Llama, to record the failure the check prevents:
 
-    python scripts/probe_unchecked_ids.py TP [float32|bfloat16]
+    python scripts/probes/probe_unchecked_ids.py TP [float32|bfloat16]
 
 It prints, per bad id, the error (or, where there is none, the captured row's norm next to a
 neighbour's) and whether the engine still answers a good prompt afterwards.

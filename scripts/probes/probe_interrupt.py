@@ -1,6 +1,6 @@
 """Interrupt ``speculators-compat extract`` mid-run with a signal, and record what is left behind.
 
-    python scripts/probe_interrupt.py OUTDIR [--signal TERM|INT|HUP|KILL] [--group] [--after N]
+    python scripts/probes/probe_interrupt.py OUTDIR [--signal TERM|INT|HUP|KILL] [--group] [--after N]
                                      [--samples N] [--tokens N] [-- EXTRA EXTRACT ARGS]
 
 On the built-in tiny Llama: one uninterrupted run (the reference), then a run that gets the

@@ -6,7 +6,7 @@ and whether its states match HF's; then a second call, the prompts reversed. Pri
 
     # speculators 0.4.0 beside an engine environment's own packages (which hold 0.3.0):
     pip install --no-deps --target /tmp/sp040 speculators==0.4.0
-    SPECULATORS_COMPAT_DISABLE=1 PYTHONPATH=/tmp/sp040 $PY scripts/probe_speculators04.py   # unpatched
+    SPECULATORS_COMPAT_DISABLE=1 PYTHONPATH=/tmp/sp040 $PY scripts/probes/probe_speculators04.py   # unpatched
 
 On a CPU engine 0.4.x stops at start asking CUDA for free memory (``mem_get_info``);
 ``PROBE_STUB_CUDA_MEMORY=1`` answers that call with 8 of 16 GiB so the rest can be seen.

@@ -4,7 +4,7 @@ sharing GPU 0 (``run_data_parallel(devices=[["0"], ["0"]])``); prints and writes
 OUT/dp_check.json: how many data files (and the manifest) are byte-identical, and each run's
 self-check counts.
 
-    PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_dp_check.py /dev/shm/dpc
+    PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu/gpu_dp_check.py /dev/shm/dpc
 """
 
 import hashlib
