@@ -129,7 +129,7 @@ def build_vllm_config(opts: EngineOptions):
 def _pin_v1_runner() -> None:
     """Run the V1 model runner where vLLM still has it (0.11-0.33): the runner every release of the
     matrix is tested with. Model Runner V2 (opt-in there, default for some models from 0.24 on GPU)
-    is what 0.34+ has only; capture reads its per-step input batch instead (worker.runner_kind).
+    is what 0.34+ has only; capture reads its per-step input batch instead (capture.py: the state's runner_kind).
     A user who sets VLLM_USE_V2_MODEL_RUNNER=1 on a release that has both gets V2, said in the log."""
     from . import facts as facts_mod
 
@@ -169,7 +169,6 @@ def choose_start_method(requested: str | None, cuda_devices: int, environ) -> st
     return None
 
 
-# Upstream 0.3.0's engine settings, kept for the patched class (prefill-only workload).
 # upstream 0.3.0's engine settings, kept for the patched class (a prefill-only workload)
 UPSTREAM_MAX_NUM_SEQS = 32
 

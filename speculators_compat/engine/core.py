@@ -267,7 +267,7 @@ class ExtractionEngine:
         if self._handoff_prefix is None:
             return states
         dtype = getattr(torch, taken["dtype"])
-        # threads: see auto_copy_threads (vLLM sets the driver's torch threads to 1: one core a task)
+        # threads: handoff.auto_copy_threads (vLLM sets the driver's torch threads to 1: one core a task)
         out = self._reader.assemble_all(states, taken["hidden"], dtype)
         self._worker_slabs = taken.get("slabs")
         self._reader.forget_except(self._worker_slabs or ())

@@ -1,7 +1,8 @@
 """speculators 0.3.0 ``VllmHiddenStatesGenerator``: delegate to our engine loop.
 
 Upstream builds SchedulerConfig/CacheConfig/KV cache/Scheduler by hand and slices captured rows
-by offset. On vLLM 0.12+ that crashes nine ways in sequence (API_MATRIX B1-B9), and even on 0.11 a
+by offset. On vLLM 0.12+ that crashes on one changed internal after another (SchedulerConfig's new
+required field first; tests/engine/test_baseline_upstream.py records each version), and even on 0.11 a
 batch spanning two scheduler steps comes back with states swapped between requests. Fixing each
 call site would keep the offset slicing; instead the class's ``__init__``, ``_create_vllm_config``,
 ``generate`` and ``__del__`` run our engine loop, which keeps upstream's contract:
@@ -170,7 +171,7 @@ class SpeculatorsGeneratorPatch(GeneratorPatch):
         "through speculators_compat.engine (EngineArgs, EngineCore, collective_rpc)"
     )
     description = (
-        "upstream drives vLLM internals by hand: crashes from 0.12 (B1-B9) and "
+        "upstream drives vLLM internals by hand: crashes from 0.12 and "
         "misattributes rows of multi-step batches in every version: run our engine loop"
     )
     test = (

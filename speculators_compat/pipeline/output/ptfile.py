@@ -100,7 +100,7 @@ class _Tensor:
 
 def owns_its_storage(t) -> bool:
     """``t`` is exactly its storage's bytes (contiguous, from offset 0, nothing more): the states
-    the torch.save path saves through an alias (``writer._unowned_states``)."""
+    the torch.save path saves through an alias (``files._unowned_states``)."""
     nbytes = t.numel() * t.element_size()
     return nbytes > 0 and t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes
 
@@ -126,7 +126,7 @@ class Encoder:
         self._name_hash: dict[int, int | None] = {}  # storage count -> first half of the serialization id
 
     # -- the pickle ---------------------------------------------------------------------------
-    # The files must be those the torch.save path writes, which saves ``writer._unowned_states``
+    # The files must be those the torch.save path writes, which saves ``files._unowned_states``
     # of the sample: a state that is exactly its storage's bytes is saved through one alias per
     # (address, dtype, shape), so equal rows given as two tensor objects (the process writer maps
     # a repeated layer twice) are saved once and referenced twice, as the thread writer's one

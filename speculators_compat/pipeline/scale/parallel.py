@@ -250,7 +250,8 @@ def _ranges(cpus: list[int]) -> str:
 
 def merge_summaries(summaries: list[dict], output: str, wall_s: float, fmt: str = "pt") -> dict[str, Any]:
     """One summary for the engines of a run: counts added up; throughput over the longest
-    engine's compute phase (they run at once); ``engines``: each one's own summary."""
+    engine's compute phase (they run at once); ``engines``: how many; ``per_engine``: each one's
+    own figures."""
 
     def total(key):
         return sum(s.get(key) or 0 for s in summaries)
