@@ -246,7 +246,8 @@ class _Extraction:
         if engine is not None:
             # the worker's arena: one slab per batch the writer may hold, plus the one being
             # computed, made at the first batch (not one by one, mid-run, as the writers fall behind)
-            engine.set_arena_slabs(min(max(1, opts.queue_size) + 2, max(1, -(-self.to_compute // opts.batch_size))))
+            left = len(self.owned) - len(self.done)
+            engine.set_arena_slabs(min(max(1, opts.queue_size) + 2, max(1, -(-left // opts.batch_size))))
             self.check_before, check_was = engine.self_check_stats.as_dict(), engine.self_check
             engine.self_check = opts.self_check  # (a given generator's own setting comes back afterwards)
         samples = open_dataset(self.input_path)
@@ -266,6 +267,7 @@ class _Extraction:
             batches.close()
             bar.close()
             self._close_writer()
+        self.t_written = time.time()  # the last file written (before the manifest and its sync)
 
     def _next(self, batches: Prefetch) -> list[Sample] | None:
         t = time.perf_counter()
@@ -284,7 +286,10 @@ class _Extraction:
         if not self.out.owns(batch[0].index):
             return  # another rank's batch (a batch never spans two ranks' units)
         todo = [s for s in batch if s.index not in self.done and s.index not in self.skip]
-        keep = [(s, p) for s in todo if (p := self._prompt(s)) is not None] if todo else []
+        # a batch partly on disk is computed whole (the engine's numbers depend on the batch's
+        # make-up: a resume must feed it the batches an uninterrupted run would) and only its
+        # missing samples are written
+        keep = [(s, p) for s in batch if (p := self._prompt(s)) is not None] if todo else []
         if keep:
             t = time.perf_counter()
             try:
@@ -292,7 +297,7 @@ class _Extraction:
             except TokenIdError as e:  # name the sample, not its place in the batch
                 raise DatasetError(e.message(f"sample {keep[e.seq][0].index}")) from e
             c.generate_s += time.perf_counter() - t
-            items = [self._item(s, r, mask) for (s, (_, mask)), r in zip(keep, results)]
+            items = [self._item(s, r, m) for (s, (_, m)), r in zip(keep, results) if s.index not in self.done]
             c.computed += len(keep)
             c.written_new += len(items)
             t = time.perf_counter()
@@ -384,7 +389,7 @@ class _Extraction:
     def _summary(self, files_now: int, bytes_now: int) -> dict[str, Any]:
         c, w, opts = self.counts, self.writer, self.opts
         now = time.time()
-        write_s = now - self.t_compute  # from the first batch to the last file written
+        write_s = self.t_written - self.t_compute  # from the first batch to the last file written
         write_mib_s = w.bytes_written / 2**20 / max(write_s, 1e-9)
         engine = self.generator.engine if self.generator is not None else None
         summary = {
@@ -398,7 +403,7 @@ class _Extraction:
             "bytes": bytes_now,
             "seconds": round(now - self.t0, 2),
             "engine_start_s": round(self.t_compute - self.t0, 2),
-            "tokens_per_s": round(c.tokens / max(write_s, 1e-9), 1),
+            "tokens_per_s": round(c.tokens / max(now - self.t_compute, 1e-9), 1),
             "truncated": len(c.truncated),
             "skipped_overlength": len(c.skipped_overlength),
             "writer": self.mode,
