@@ -15,6 +15,7 @@ from typing import Any
 from .checkpoint import check_checkpoint
 from .engine.config import EngineOptions
 from .engine.core import ExtractionEngine
+from .engine.fp8 import Fp8States
 from .errors import CaptureError, CheckpointError, TokenIdError
 from .host import cuda_device_count
 from .layers import default_layer_ids, normalize_layer_ids, read_num_layers
@@ -118,6 +119,14 @@ class VllmHiddenStatesGenerator:
     ``generate()`` raises ``CaptureError`` naming the prompt; ``engine.self_check_stats`` counts
     what was checked. Opt-in here because it costs about 1% of ``generate()`` on a GPU
     (docs/benchmarks.md); ``engine.self_check = True`` turns it on for an engine already built.
+
+    ``states_dtype`` (default ``"auto"``: the model's dtype): ``"fp8"`` quantizes the states in the
+    workers, on the device, as speculators' hs-connectors ``fp8`` backend does (e4m3, one float32
+    scale per token over every captured layer: engine/fp8.py). ``generate()`` then returns each
+    layer as e4m3 ``[len, hidden]`` and adds ``hidden_states_scales``, float32 ``[len, 1]``;
+    ``hidden_states[j].to(torch.bfloat16) * hidden_states_scales.to(torch.bfloat16)`` is layer j
+    (``speculators_compat.engine.fp8.dequantize``). The self-check and the NaN/Inf check look at
+    the unquantized states.
     """
 
     def __init__(
@@ -139,6 +148,7 @@ class VllmHiddenStatesGenerator:
         on_overlength: str = "truncate",
         zero_copy: bool | None = None,
         self_check: bool | None = None,
+        states_dtype: str = "auto",
         engine_kwargs: dict | None = None,
     ):
         if isinstance(model_path, os.PathLike):
@@ -177,6 +187,7 @@ class VllmHiddenStatesGenerator:
             async_scheduling=async_scheduling,
             zero_copy=zero_copy,
             self_check=self_check,
+            states_dtype=states_dtype,
             engine_kwargs=dict(engine_kwargs or {}),
         )
         self._engine = ExtractionEngine(opts, self.layer_ids)
@@ -212,7 +223,8 @@ class VllmHiddenStatesGenerator:
     def generate(self, token_ids) -> list[dict]:
         """Hidden states for a batch. Returns, in input order, dicts with ``input_ids`` (LongTensor),
         ``hidden_states`` (one [len, hidden] tensor per layer id, in ``layer_ids`` order) and
-        ``loss_mask`` (None). Sequences longer than ``max_model_len - 1`` are truncated (upstream's
+        ``loss_mask`` (None); with ``states_dtype="fp8"`` also ``hidden_states_scales`` (class
+        docstring). Sequences longer than ``max_model_len - 1`` are truncated (upstream's
         behaviour; a warning names them) or rejected with ``on_overlength="error"``."""
 
         seqs = to_token_lists(token_ids, self._engine.vocab_size)
@@ -221,7 +233,17 @@ class VllmHiddenStatesGenerator:
         results = []
         # NaN/Inf rows are detected on the device by the capture (CaptureError names the prompt)
         for ids, layers in zip(seqs, states):
-            results.append({"input_ids": token_tensor(ids), "hidden_states": layers, "loss_mask": None})
+            if isinstance(layers, Fp8States):
+                results.append(
+                    {
+                        "input_ids": token_tensor(ids),
+                        "hidden_states": layers.layers,
+                        "hidden_states_scales": layers.scales,
+                        "loss_mask": None,
+                    }
+                )
+            else:
+                results.append({"input_ids": token_tensor(ids), "hidden_states": layers, "loss_mask": None})
         return results
 
     def _fit(self, seqs: list[list[int]]) -> list[list[int]]:

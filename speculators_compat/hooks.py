@@ -20,6 +20,7 @@ DISABLE_ENV = "SPECULATORS_COMPAT_DISABLE"
 #: every patch's target module (``Patch.module``); a unit test keeps this equal to the registry's
 TRIGGERS = frozenset(
     {
+        "torch",
         "transformers",
         "transformers.configuration_utils",
         "vllm.v1.core.kv_cache_utils",

@@ -56,3 +56,96 @@ def test_the_rounding_bound_holds():
     assert ((back - x).abs() <= bound).all()
     assert (back[3] == 0).all() and float(s[3]) == torch.tensor(fp8.MIN_SCALE).item()  # zeros stay zeros
     assert float(q[5].float().abs().max()) == fp8.FP8_MAX  # the outlier token's max maps to 448
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_per_layer_rows_quantize_as_the_stacked_states(dtype):
+    """What the workers run (quantize_rows, one step's rows per layer) is bit for bit the stacked
+    arithmetic; a layer listed twice changes nothing."""
+    x = _states(seed=4, dtype=dtype)
+    q, s = fp8.quantize_per_token(x)
+    layers = [x[:, j] for j in range(x.shape[1])]
+    rows, scales = fp8.quantize_rows(layers)
+    assert torch.equal(torch.stack(rows, 1).view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(scales, s[:, 0, 0])
+    _, twice = fp8.quantize_rows(layers + [layers[1]])
+    assert torch.equal(twice, scales)
+
+
+def _pt_file(tmp_path, dtype="bfloat16"):
+    from speculators_compat.pipeline.output.files import write_sample
+
+    x = _states(seed=5)
+    q, s = fp8.quantize_per_token(x)
+    sample = {
+        "input_ids": torch.arange(x.shape[0]),
+        "hidden_states": [q[:, j] for j in range(q.shape[1])],
+        "hidden_states_scales": s[:, :, 0],
+        "loss_mask": torch.ones(x.shape[0], dtype=torch.long),
+        "dequantize_dtype": dtype,
+    }
+    path = tmp_path / "data_0.pt"
+    write_sample(path, sample, "pt")
+    return path, q, s
+
+
+def test_a_pt_file_of_fp8_states_dequantizes_at_load_only_with_the_patch(tmp_path):
+    import pickle
+
+    import speculators_compat
+    from speculators_compat.registry import is_ours  # noqa: F401  (the registry is loaded)
+
+    path, q, s = _pt_file(tmp_path)
+    speculators_compat.patch()
+    d = torch.load(path, weights_only=True, mmap=True)  # as speculators 0.3/0.4's dataset loads it
+    assert [h.dtype for h in d["hidden_states"]] == [torch.bfloat16] * q.shape[1]
+    assert all(torch.equal(h, fp8.dequantize(q[:, j], s[:, :, 0])) for j, h in enumerate(d["hidden_states"]))
+    with fp8.raw_pt_states():  # (verify's view: the e4m3 bytes and scales themselves)
+        raw = torch.load(path, weights_only=True)["hidden_states"]
+    assert torch.equal(torch.stack(raw.layers, 1).view(torch.uint8), q.view(torch.uint8))
+    assert fp8.load_fp8_hidden_states in torch.serialization.get_safe_globals()  # (left as it was)
+    speculators_compat.unpatch()
+    try:
+        # a reader without the patch: never e4m3 values taken for states
+        with pytest.raises(pickle.UnpicklingError, match=r"speculators_compat\.engine\.fp8\.load_fp8_hidden_states"):
+            torch.load(path, weights_only=True)
+        with torch.serialization.safe_globals([fp8.load_fp8_hidden_states]):
+            with pytest.raises(RuntimeError, match="FP8 hidden states, dequantized at load by speculators_compat"):
+                torch.load(path, weights_only=True)
+    finally:
+        speculators_compat.patch()
+    assert torch.load(path, weights_only=True)["hidden_states"][0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors", "speculators-hs"])
+def test_verify_checks_fp8_files(tmp_path, fmt):
+    from speculators_compat.pipeline.output.files import file_name, write_sample
+    from speculators_compat.pipeline.output.verify import check_fp8_file
+
+    x = _states(seed=6)
+    q, s = fp8.quantize_per_token(x)
+    run = {"format": fmt, "layer_ids": [0, 1, 2, 3], "hidden_size": x.shape[-1], "states_dtype": "fp8"}
+
+    def write(scales, layers=None):
+        sample = {
+            "input_ids": torch.arange(x.shape[0]),
+            "hidden_states": layers if layers is not None else [q[:, j] for j in range(q.shape[1])],
+            "hidden_states_scales": scales,
+            "loss_mask": torch.ones(x.shape[0], dtype=torch.long),
+            "dequantize_dtype": "bfloat16",
+        }
+        path = tmp_path / file_name(0, fmt)
+        write_sample(path, sample, fmt)
+        return check_fp8_file(path, run)
+
+    assert write(s[:, :, 0]) is None
+    zero = s[:, :, 0].clone()
+    zero[2] = 0
+    assert "a scale that is not finite and > 0" in write(zero)
+    nan = s[:, :, 0].clone()
+    nan[1] = float("nan")
+    assert "not finite" in write(nan)
+    assert "scales" in write(s[:-1, :, 0])
+    bf16 = [x[:, j] for j in range(x.shape[1])]  # unquantized states where FP8 ones belong
+    assert "bfloat16" in write(s[:, :, 0], bf16)
+    assert "3 layers, not 4" in write(s[:, :, 0], [q[:, j] for j in range(3)])

@@ -1,6 +1,12 @@
 """The capture itself, inside each vLLM worker: forward hooks on the decoder layers that write each
 step's kept rows (``hidden_states + residual``) into the arena, and ``take``, which hands a
 batch's rows back per request. Which rows are kept, for whom, is attribution.py's.
+
+FP8 states (``fp8``): a token's scale spans every captured layer, so each layer's kept rows of a
+step stay on the device, unquantized, until the last captured layer ran; then the step is
+quantized there (fp8.py's arithmetic) and only e4m3 rows and one float32 scale per token cross
+to the host. Device memory held for it is one step's kept rows (bounded by the step's token
+budget, not by prompt length). The NaN/Inf flags and the self-check use the unquantized rows.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import fp8 as fp8_mod
 from . import witness
 from .arena import Arena
 from .attribution import (
@@ -104,15 +111,43 @@ class _CaptureState:
     regions: dict = field(default_factory=dict)  # req_id -> {layer id: (buffer, byte offset)} of its prompt
     region_row_bytes: int = 0  # the row size those regions were sized with
     fault: Any = None  # a test's injected fault (faults.Fault), None in use
+    fp8: bool = False  # store e4m3 rows and per-token float32 scales (module docstring)
+    pending: dict = field(default_factory=dict)  # fp8: layer id -> this step's unquantized kept rows
+
+    @property
+    def store_dtype(self):
+        """The dtype of the rows in the arena: e4m3 for FP8 states, else the model's."""
+        return fp8_mod.fp8_dtype() if self.fp8 else self.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * self.store_dtype.itemsize
+
+    @property
+    def entries(self) -> list:
+        """What each request's rows are kept as, in order: the captured layers, then (FP8) the
+        scales; the keys of its regions."""
+        return [*self.layer_ids, SCALES] if self.fp8 else list(self.layer_ids)
+
+    def entry_shape(self, key) -> tuple[int, Any]:
+        """(row width, dtype) of an entry's rows in the arena."""
+        return (1, torch.float32) if key == SCALES else (self.hidden, self.store_dtype)
 
 
-def install_capture(worker, layer_ids: list[int], record_all: bool = False, handoff_prefix: str | None = None) -> dict:
+SCALES = "scales"  # the region / entry key of a request's per-token FP8 scales
+
+
+def install_capture(
+    worker, layer_ids: list[int], record_all: bool = False, handoff_prefix: str | None = None, fp8: bool = False
+) -> dict:
     """Install forward hooks for ``layer_ids`` (absolute decoder-layer indices) on ``worker``.
 
     ``record_all`` keeps every forward's rows in step order (upstream's worker contract) instead
     of per announced request. ``handoff_prefix``: path prefix of the /dev/shm arena files (None:
-    rows travel back pickled).
+    rows travel back pickled). ``fp8``: keep e4m3 rows and per-token scales (module docstring).
     """
+    if fp8 and record_all:
+        raise ValueError("FP8 states are kept per request; upstream's record-everything contract has none")
     old = getattr(worker, "_compat_capture", None)
     if old is not None:
         for h in old.handles:
@@ -146,7 +181,7 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, hand
     info["self_check"] = True if isinstance(w, witness.Witness) else w
     if not capture_rank:
         return info
-    st = _CaptureState(layer_ids=list(layer_ids), record_all=record_all, runner_kind=kind)
+    st = _CaptureState(layer_ids=list(layer_ids), record_all=record_all, runner_kind=kind, fp8=fp8)
     mc = getattr(runner, "model_config", None)
     if mc is not None:
         st.hidden, st.dtype = int(mc.get_hidden_size()), mc.dtype
@@ -162,10 +197,12 @@ def install_capture(worker, layer_ids: list[int], record_all: bool = False, hand
     distribute = _make_distribute(st)
     for lid in sorted(set(layer_ids)):
         st.handles.append(base.layers[lid].register_forward_hook(_make_layer_hook(st, lid, distribute)))
-    if isinstance(w, witness.Witness) and w.last not in layer_ids:  # (runs after the captured layers')
+    # the self-check's rows: the arena's when it holds the final layer unquantized, else its own hook's
+    if isinstance(w, witness.Witness) and (w.last not in layer_ids or fp8):  # (runs after the captured layers')
         st.handles.append(base.layers[w.last].register_forward_hook(witness.make_last_row_hook(st, w)))
     info["capturing"] = True
     info["handoff"] = "shm" if handoff_prefix else "rpc"
+    info["states_dtype"] = "fp8" if fp8 else "auto"
     return info
 
 
@@ -270,7 +307,7 @@ def _make_distribute(st: _CaptureState):
         elif st.plan is not None:
             _, kept = st.plan
             for i, (rid, start, n, _row) in enumerate(kept):
-                layers = [(*st.rows[lid][i], n) for lid in st.layer_ids]  # where _store_rows put them
+                layers = [(*st.rows[key][i], n) for key in st.entries]  # where _store_rows put them
                 st.segments.setdefault(rid, []).append(_Segment(start, layers))
                 st.tokens += n
         st.rows = {}  # (the plan stays until the next forward: the self-check's hook reads it)
@@ -316,7 +353,14 @@ def _take(st, req_ids, want_data):
         if problem is not None:
             errors[rid] = problem + " (prefix-cache hit, aborted request or lost step?)"
             continue
-        if flagged:  # slow path, only when some row somewhere was not finite
+        if flagged and st.fp8:  # a NaN/Inf row makes its token's scale NaN/Inf
+            if not all(
+                bool(torch.isfinite(arena.view(b, o, n, 1, torch.float32)).all())
+                for b, o, n in (s.layers[-1] for s in segs)
+            ):
+                errors[rid] = "NaN/Inf hidden states in a captured layer (its FP8 scale is not finite)"
+                continue
+        elif flagged:  # slow path, only when some row somewhere was not finite
             bad = [
                 st.layer_ids[j]
                 for j in range(len(st.layer_ids))
@@ -328,19 +372,20 @@ def _take(st, req_ids, want_data):
             if bad:
                 errors[rid] = f"NaN/Inf hidden states in layer(s) {bad}"
                 continue
-        row_bytes = st.hidden * st.dtype.itemsize
-        blocks = [merge_adjacent([s.layers[j] for s in segs], row_bytes) for j in range(len(st.layer_ids))]
+        shapes = [st.entry_shape(key) for key in st.entries]
+        blocks = [merge_adjacent([s.layers[j] for s in segs], w * dt.itemsize) for j, (w, dt) in enumerate(shapes)]
         if arena.prefix is not None:
             states[rid] = [[(arena.path(b), o, n) for b, o, n in layer] for layer in blocks]
         else:
-            states[rid] = [_gather(arena, layer, st.hidden, st.dtype) for layer in blocks]
+            states[rid] = [_gather(arena, layer, w, dt) for layer, (w, dt) in zip(blocks, shapes)]
     return {
         "states": states,
         "errors": errors,
         "rank_captures": True,
         "slabs": arena.paths(),
         "hidden": st.hidden,
-        "dtype": str(st.dtype).replace("torch.", ""),
+        "dtype": str(st.store_dtype).replace("torch.", ""),
+        "fp8": st.fp8,
     }
 
 
@@ -379,6 +424,8 @@ def _make_layer_hook(st: _CaptureState, lid: int, distribute):
         elif st.plan is not None:
             st.rows[lid] = _store_rows(st, output, lid)
         if len(st.rows) == n_layers or (st.plan is None and not st.record_all):  # step done, or nothing to keep
+            if st.fp8 and st.plan is not None:
+                _quantize_step(st)
             distribute()
         st.t_hooks += time.perf_counter() - t0
         return None
@@ -386,15 +433,11 @@ def _make_layer_hook(st: _CaptureState, lid: int, distribute):
     return hook
 
 
-def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int]]:
+def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int]] | None:
     """Write this forward's kept rows of layer ``lid`` into the arena; returns (buffer, byte
-    offset) for each kept entry of the plan, in its order.
-
-    Rows go to their requests' regions (one copy per run of entries adjacent both in the step and
-    in the arena); a step with an entry that has none (its rows' size differs from the one the
-    regions were sized with, or no region was made) goes into one fresh block, as one copy."""
-    source, kept = st.plan
-    rows = kept[-1][3] + kept[-1][2]
+    offset) for each kept entry of the plan, in its order. FP8: the rows are kept on the device
+    for ``_quantize_step`` instead (None)."""
+    source, _ = st.plan
     if isinstance(output, tuple):
         hidden, residual = output[0], (output[1] if len(output) > 1 else None)
         if not isinstance(residual, torch.Tensor):
@@ -407,22 +450,9 @@ def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int
         h, residual = st.fault.rows(h, residual)
     if st.dtype is None or h.shape[-1] != st.hidden or h.dtype != st.dtype:  # first capture defines them
         st.hidden, st.dtype = int(h.shape[-1]), h.dtype
-    row_bytes = st.hidden * h.element_size()
-    places = [st.regions.get(rid, {}).get(lid) for rid, _, _, _ in kept]
-    if row_bytes == st.region_row_bytes and all(p is not None for p in places):
-        dests = [(b, off + start * row_bytes) for (b, off), (_, start, _, _) in zip(places, kept)]
-    else:
-        b, off = st.arena.alloc(rows * row_bytes)
-        dests = [(b, off + row * row_bytes) for _, _, _, row in kept]
-    runs = []  # [buffer, byte offset, first source row, rows]: entries contiguous in both
-    for (b, off), (_, _, n, row) in zip(dests, kept):
-        last = runs[-1] if runs else None
-        if last and last[0] == b and last[1] + last[3] * row_bytes == off and last[2] + last[3] == row:
-            last[3] += n
-        else:
-            runs.append([b, off, row, n])
-    if h.device.type == "cpu":
+    if h.device.type == "cpu" and not st.fp8:
         # one pass: the residual stream (hidden + residual) lands in the arena directly
+        dests, runs = _destinations(st, lid, st.row_bytes)
         res = pick(residual.detach()) if residual is not None else None
         for b, off, row, n in runs:
             dst = st.arena.view(b, off, n, st.hidden, st.dtype)
@@ -431,22 +461,70 @@ def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int
             else:
                 dst.copy_(h[row : row + n])
             st.nonfinite.append(_nonfinite_flag(dst))
+        return dests
+    if residual is not None:
+        val = h + pick(residual.detach())
+    elif isinstance(source, slice):  # a view of the layer output, which later layers may
+        val = h.clone()  # update in place while the copy below is in flight
     else:
-        if residual is not None:
-            val = h + pick(residual.detach())
-        elif isinstance(source, slice):  # a view of the layer output, which later layers may
-            val = h.clone()  # update in place while the copy below is in flight
-        else:
-            val = h  # index_select made it
-        # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
-        st.nonfinite.append(_nonfinite_flag(val))
-        for b, off, row, n in runs:
-            dst = st.arena.view(b, off, n, st.hidden, st.dtype)
-            if st.arena.pinned(b):  # pinned (page-locked) arena: an asynchronous DMA
-                _copy_on_side_stream(st, dst, val[row : row + n])
-            else:
-                dst.copy_(val[row : row + n])
+        val = h  # index_select made it
+    # NaN/Inf check where the data is hot: one reduction on the device, read once at take()
+    st.nonfinite.append(_nonfinite_flag(val))
+    if st.fp8:
+        st.pending[lid] = val
+        return None
+    dests, runs = _destinations(st, lid, st.row_bytes)
+    _write_runs(st, runs, val, st.hidden, st.dtype)
     return dests
+
+
+def _quantize_step(st: _CaptureState) -> None:
+    """FP8: every captured layer's kept rows of this step are in; quantize them per token, on
+    their device, and write the e4m3 rows and the scales into the arena."""
+    lids = sorted(st.pending)
+    rows, scales = fp8_mod.quantize_rows([st.pending.pop(lid) for lid in lids])
+    for lid, q in zip(lids, rows):
+        dests, runs = _destinations(st, lid, st.row_bytes)
+        _write_runs(st, runs, q, st.hidden, q.dtype)
+        st.rows[lid] = dests
+    dests, runs = _destinations(st, SCALES, scales.element_size())
+    _write_runs(st, runs, scales[:, None], 1, scales.dtype)
+    st.rows[SCALES] = dests
+
+
+def _destinations(st: _CaptureState, key, row_bytes: int) -> tuple[list, list]:
+    """Where the plan's kept entries of ``key`` (a layer id, or SCALES) go: (buffer, byte offset)
+    per entry, and the copies to make, [buffer, byte offset, first source row, rows] for each run
+    of entries adjacent both in the step and in the arena.
+
+    Rows go to their requests' regions; a step with an entry that has none (the rows' size
+    differs from the one the regions were sized with, or no region was made) goes into one
+    fresh block, as one copy."""
+    _, kept = st.plan
+    places = [st.regions.get(rid, {}).get(key) for rid, _, _, _ in kept]
+    if st.row_bytes == st.region_row_bytes and all(p is not None for p in places):
+        dests = [(b, off + start * row_bytes) for (b, off), (_, start, _, _) in zip(places, kept)]
+    else:
+        b, off = st.arena.alloc((kept[-1][3] + kept[-1][2]) * row_bytes)
+        dests = [(b, off + row * row_bytes) for _, _, _, row in kept]
+    runs = []
+    for (b, off), (_, _, n, row) in zip(dests, kept):
+        last = runs[-1] if runs else None
+        if last and last[0] == b and last[1] + last[3] * row_bytes == off and last[2] + last[3] == row:
+            last[3] += n
+        else:
+            runs.append([b, off, row, n])
+    return dests, runs
+
+
+def _write_runs(st: _CaptureState, runs: list, val: torch.Tensor, width: int, dtype) -> None:
+    """Copy ``val``'s rows into the arena as ``runs`` say (an asynchronous DMA into pinned slabs)."""
+    for b, off, row, n in runs:
+        dst = st.arena.view(b, off, n, width, dtype)
+        if val.device.type != "cpu" and st.arena.pinned(b):
+            _copy_on_side_stream(st, dst, val[row : row + n])
+        else:
+            dst.copy_(val[row : row + n])
 
 
 def _copy_on_side_stream(st: _CaptureState, dst: torch.Tensor, val: torch.Tensor) -> None:

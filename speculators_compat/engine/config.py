@@ -49,7 +49,18 @@ class EngineOptions:
     zero_copy: bool | None = None
     #: check every request's sampled token against its captured state (None: SPECULATORS_COMPAT_SELF_CHECK)
     self_check: bool | None = None
+    #: "auto": the model's dtype; "fp8": e4m3 with one float32 scale per token (fp8.py)
+    states_dtype: str = "auto"
     engine_kwargs: dict = field(default_factory=dict)  # passed through to EngineArgs
+
+
+STATES_DTYPES = ("auto", "fp8")
+
+
+def check_states_dtype(name) -> str:
+    if name not in STATES_DTYPES:
+        raise ValueError(f"states_dtype must be one of {STATES_DTYPES}, not {name!r}")
+    return name
 
 
 def check_sizes(opts: EngineOptions) -> None:
@@ -60,6 +71,7 @@ def check_sizes(opts: EngineOptions) -> None:
     def bad(v, least: int) -> bool:
         return isinstance(v, bool) or not isinstance(v, int) or v < least
 
+    check_states_dtype(opts.states_dtype)
     if bad(opts.tensor_parallel_size, 1):
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, not {opts.tensor_parallel_size!r}")
     if opts.max_model_len is not None and bad(opts.max_model_len, 2):

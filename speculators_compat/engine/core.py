@@ -32,7 +32,8 @@ from typing import Any
 from .. import envs
 from ..errors import CaptureError, StallError, TokenIdError, WorkerDiedError
 from ..host import cuda_device_count
-from .config import EngineOptions, build_vllm_config, choose_start_method
+from .config import EngineOptions, build_vllm_config, check_states_dtype, choose_start_method
+from .fp8 import Fp8States
 from .handoff import ArenaReader, handoff_prefix, hold_handoff_lock
 from .selfcheck import LOGPROBS, SelfCheckStats, first_logprobs, judge
 
@@ -123,7 +124,10 @@ class ExtractionEngine:
         self._announce_ahead = self._can_announce_ahead
         probe = self._rpc_rank0_raw("compat_ping")
         self._rpc_unwrap = isinstance(probe, list)
-        infos = self.executor.collective_rpc("compat_capture_setup", args=(self.layer_ids, self._handoff_prefix))
+        self.states_dtype = check_states_dtype(opts.states_dtype)  # (checked with the config, before vLLM)
+        infos = self.executor.collective_rpc(
+            "compat_capture_setup", args=(self.layer_ids, self._handoff_prefix, self.states_dtype == "fp8")
+        )
         self.model_info = infos[0]
         if not any(i.get("capturing") for i in infos):
             raise RuntimeError("speculators_compat: no worker rank captures hidden states")
@@ -183,8 +187,9 @@ class ExtractionEngine:
         return out[0] if self._rpc_unwrap else out
 
     # ------------------------------------------------------------------ the loop
-    def run(self, prompts: Sequence[Sequence[int]], *, ids_checked: bool = False) -> list[list[Any]]:
-        """Hidden states for each prompt: ``result[i][j]`` is [len(prompts[i]), hidden] for layer j.
+    def run(self, prompts: Sequence[Sequence[int]], *, ids_checked: bool = False) -> list[Any]:
+        """Hidden states for each prompt: ``result[i][j]`` is [len(prompts[i]), hidden] for layer j;
+        with FP8 states ``result[i]`` is an ``Fp8States`` (e4m3 layers and their scales).
 
         Token ids are checked against the vocabulary (TokenIdError) unless the caller already did
         (``ids_checked``: the drop-in generator checks them while validating the batch)."""
@@ -257,6 +262,8 @@ class ExtractionEngine:
                     f"self-check: {len(failed)} of {len(ids)} prompts' states do not give the token vLLM "
                     "sampled for them: " + "; ".join(failed[:5])
                 )
+        if taken.get("fp8"):  # the last entry of each is its per-token scales
+            return [Fp8States(s[:-1], s[-1]) for s in (taken["states"][r] for r in ids)]
         return [taken["states"][r] for r in ids]
 
     def _copy_out(self, taken: dict) -> dict:
@@ -267,8 +274,9 @@ class ExtractionEngine:
         if self._handoff_prefix is None:
             return states
         dtype = getattr(torch, taken["dtype"])
+        shapes = [(taken["hidden"], dtype)] * len(self.layer_ids) + [(1, torch.float32)] if taken.get("fp8") else None
         # threads: handoff.auto_copy_threads (vLLM sets the driver's torch threads to 1: one core a task)
-        out = self._reader.assemble_all(states, taken["hidden"], dtype)
+        out = self._reader.assemble_all(states, taken["hidden"], dtype, shapes)
         self._worker_slabs = taken.get("slabs")
         self._reader.forget_except(self._worker_slabs or ())
         return out

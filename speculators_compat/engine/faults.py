@@ -7,7 +7,8 @@ A test asks for one with the ``compat_inject_fault`` RPC; the capture state then
 - ``swap``: the rows of the first two requests of a step that have as many rows at the same
   positions are exchanged (coverage still holds);
 - ``zero``: zeros are stored instead of the rows;
-- ``shift``: each row is stored one position late (position p gets the row of p - 1).
+- ``shift``: each row is stored one position late (position p gets the row of p - 1);
+- ``nan``: the first kept row of every step is stored as NaN.
 
 The model's own computation is never touched: vLLM still samples from the right states.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-FAULTS = ("swap", "zero", "shift")
+FAULTS = ("swap", "zero", "shift", "nan")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,12 @@ class Fault:
 
     def rows(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The kept rows (and their residual) to store: new tensors, the layer's output is the model's."""
-        return (torch.zeros_like(hidden), None) if self.kind == "zero" else (hidden, residual)
+        if self.kind == "zero":
+            return torch.zeros_like(hidden), None
+        if self.kind == "nan":
+            hidden = hidden.clone()
+            hidden[0] = float("nan")
+        return hidden, residual
 
     def last_rows(self, pick: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """(request, row) of each request's last position, for the row the self-check keeps."""

@@ -254,23 +254,26 @@ class ArenaReader:
         out = self._empty((sum(v.shape[0] for v in views), hidden), dtype)
         return torch.cat(views, dim=0, out=out) if len(views) > 1 else out.copy_(views[0])
 
-    def assemble_all(self, states: dict, hidden: int, dtype) -> dict:
-        """``{request: [tensor per layer]}`` from ``{request: [blocks per layer]}``."""
+    def assemble_all(self, states: dict, hidden: int, dtype, shapes: list | None = None) -> dict:
+        """``{request: [tensor per entry]}`` from ``{request: [blocks per entry]}``; every entry is
+        ``hidden`` wide in ``dtype``, unless ``shapes`` gives each its own (row width, dtype)."""
         for layers in states.values():  # map every file here, so the worker threads only read
             for blocks in layers:
                 for p, _, _ in blocks:
                     self._map(p)
+
+        def one(layers):
+            kinds = shapes or [(hidden, dtype)] * len(layers)
+            return [self.assemble(b, w, dt) for b, (w, dt) in zip(layers, kinds)]
+
         copies = sum(1 for layers in states.values() for b in layers if not (self.lend and len(b) == 1))
         if self.threads == 1 or copies < 2:
-            return {r: [self.assemble(b, hidden, dtype) for b in layers] for r, layers in states.items()}
+            return {r: one(layers) for r, layers in states.items()}
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="sc-copy")
-        futs = {
-            r: self._pool.submit(lambda ls: [self.assemble(b, hidden, dtype) for b in ls], layers)
-            for r, layers in states.items()
-        }
+        futs = {r: self._pool.submit(one, layers) for r, layers in states.items()}
         return {r: f.result() for r, f in futs.items()}
 
     def forget_except(self, live) -> None:

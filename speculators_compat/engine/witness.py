@@ -3,8 +3,8 @@ the token vLLM sampled (engine/selfcheck.py judges).
 
 vLLM samples each request's one token from the logits at its last prompt position. Every batch,
 the capturing rank takes OUR state of the final decoder layer at each request's last position (the
-arena's row when the last layer is captured, else one row kept for this check by a hook on that
-layer, placed by the same plan as every captured row), and all tensor-parallel ranks apply the
+arena's row when the last layer is captured unquantized, else one row kept for this check by a hook
+on that layer, placed by the same plan as every captured row), and all tensor-parallel ranks apply the
 model's own final norm and ``compute_logits`` to it (rank 0 broadcasts the rows; the logits are
 gathered over the TP group as vLLM gathers them). Rank 0 hands back the top logits of each request.
 A state that belongs to another request or position, or is zeros, implies another token.
@@ -105,7 +105,8 @@ def make_last_row_hook(st, w: Witness):
 
 def _state_rows(st, w: Witness, req_ids) -> tuple[torch.Tensor, list[str | None]]:
     """[requests, hidden] on the model's device: our final-layer state at each last position."""
-    j = st.layer_ids.index(w.last) if w.last in st.layer_ids else None
+    # (FP8: the arena's rows are quantized; the hook kept the unquantized one)
+    j = st.layer_ids.index(w.last) if w.last in st.layer_ids and not st.fp8 else None
     where = w.device if j is None else "cpu"  # the hook's rows are on the device, the arena's on the host
     rows, problems = [], []
     for rid in req_ids:

@@ -42,7 +42,7 @@ import time
 
 from . import witness
 from .arena import SHM_ALIGN
-from .capture import install_capture, take_captures
+from .capture import SCALES, install_capture, take_captures
 
 logger = logging.getLogger("speculators_compat.worker")
 
@@ -53,8 +53,8 @@ class CaptureExtension:
     def compat_ping(self) -> str:
         return "speculators_compat"
 
-    def compat_capture_setup(self, layer_ids: list[int], handoff_prefix: str | None = None) -> dict:
-        return install_capture(self, layer_ids, handoff_prefix=handoff_prefix)
+    def compat_capture_setup(self, layer_ids: list[int], handoff_prefix: str | None = None, fp8: bool = False) -> dict:
+        return install_capture(self, layer_ids, handoff_prefix=handoff_prefix, fp8=fp8)
 
     def compat_capture_expect(self, expected: dict, busy=(), slabs: int | None = None) -> None:
         """Announce request ids and their prompt lengths before they are scheduled; size the arena.
@@ -65,24 +65,26 @@ class CaptureExtension:
             return
         t0 = time.perf_counter()
         need = 0
+        keys = [*sorted(set(st.layer_ids)), *([SCALES] if st.fp8 else [])]  # one region each a request
         if st.hidden and st.dtype is not None:
-            es = st.dtype.itemsize
             rows = sum(expected.values())
-            # kept rows + per-block alignment for up to one block per (request, layer, step)
-            need = len(st.layer_ids) * (rows * st.hidden * es + SHM_ALIGN * (len(expected) + 8))
+            per_row = sum(w * dt.itemsize for w, dt in map(st.entry_shape, keys))
+            # kept rows + per-block alignment for up to one block per (request, entry, step)
+            need = rows * per_row + len(keys) * SHM_ALIGN * (len(expected) + 8)
         # before accepting the batch: a failure (no room) leaves no trace
         if not st.segments and not st.regions:  # every earlier batch was taken: a new one in a free slab
             st.arena.prepare(need, busy, slabs)
         else:
             st.arena.reserve(need)
         if need and not st.record_all:
-            # each request's rows per layer: one region in announcement order, layer by layer, so
-            # requests that run in that order are adjacent (rows of 64-byte multiples: no padding)
-            st.region_row_bytes = row_bytes = st.hidden * st.dtype.itemsize
-            for lid in sorted(set(st.layer_ids)):
+            # each request's rows per entry: one region in announcement order, entry by entry, so
+            # requests that run in that order are adjacent
+            st.region_row_bytes = st.row_bytes
+            for key in keys:
+                width, dtype = st.entry_shape(key)
                 for rid, plen in expected.items():
                     if rid not in st.expected and plen > 0:
-                        st.regions.setdefault(rid, {})[lid] = st.arena.alloc(plen * row_bytes)
+                        st.regions.setdefault(rid, {})[key] = st.arena.alloc(plen * width * dtype.itemsize)
         for rid in expected:
             if rid not in st.order:
                 st.order[rid] = st.serial
@@ -123,6 +125,7 @@ class CaptureExtension:
             st.order.clear()
             st.segments.clear()
             st.regions.clear()
+            st.pending.clear()
             st.all_rows = []
         w = getattr(self, "_compat_witness", None)
         if isinstance(w, witness.Witness):

@@ -3,6 +3,7 @@
 from .speculators04_generator import Speculators04GeneratorPatch
 from .speculators_generator import SpeculatorsGeneratorPatch
 from .speculators_worker import SpeculatorsWorkerPatch
+from .torch_fp8_states import Fp8StatesLoadPatch
 from .transformers_compat import AttnMaskUtilsPatch, ConfigTorchPatch
 from .vllm_cpu_attention_isa import CpuAttentionIsaPatch
 from .vllm_cpu_mla_backend import CpuMlaBackendPatch
@@ -19,6 +20,7 @@ PATCHES = [
     SpeculatorsGeneratorPatch(),
     Speculators04GeneratorPatch(),
     SpeculatorsWorkerPatch(),
+    Fp8StatesLoadPatch(),
 ]
 
 

@@ -138,13 +138,21 @@ class _Extraction:
             self.max_len = int(eng.get("max_model_len") or 2048) - 1
         else:
             self.ids, self.max_len = list(gen.layer_ids), gen.engine.max_model_len - 1
+        # (a given generator's own setting applies)
+        self.states_dtype = opts.states_dtype if gen is None else getattr(gen.engine, "states_dtype", "auto")
         self.scan = self._scan_input()
         self.done = self._prepare_output()
         self.owned = [i for i in range(self.scan.samples) if self.out.owns(i)]
         self.to_compute = sum(1 for i in self.owned if i not in self.done and i not in self.skip)
         dtype = eng.get("dtype") if gen is None else None
         check_free_space(
-            self.out.root, self.scan, self.to_compute, len(self.ids), self.limits.get("hidden_size"), dtype
+            self.out.root,
+            self.scan,
+            self.to_compute,
+            len(self.ids),
+            self.limits.get("hidden_size"),
+            dtype,
+            self.states_dtype,
         )
 
     def _scan_input(self) -> InputScan:
@@ -182,6 +190,7 @@ class _Extraction:
             "batch_size": opts.batch_size,
             "max_model_len": self.max_len + 1,
             "on_overlength": opts.on_overlength,
+            "states_dtype": self.states_dtype,
         }
         if opts.shard_size > 1:  # (only then: an output written before shards existed still resumes)
             self.run_info["shard_size"] = opts.shard_size
@@ -221,7 +230,8 @@ class _Extraction:
             )
             self.own_generator = True
         if self.generator is not None:
-            self.out.confirm({"dtype": str(self.generator.vllm_config.model_config.dtype).replace("torch.", "")})
+            self.dtype = str(self.generator.vllm_config.model_config.dtype).replace("torch.", "")
+            self.out.confirm({"dtype": self.dtype})
             self.max_len = min(self.max_len, self.generator.engine.max_model_len - 1)  # (vLLM may lower it)
 
     def open_writer(self) -> None:
@@ -337,7 +347,10 @@ class _Extraction:
             self.counts.hidden_size = int(r["hidden_states"][0].shape[-1])
             self.out.confirm({"hidden_size": self.counts.hidden_size})
         lm = token_tensor(mask) if mask is not None else torch.ones(n, dtype=torch.long)
-        return s.index, {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"], "loss_mask": lm}
+        item = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"], "loss_mask": lm}
+        if "hidden_states_scales" in r:  # FP8 states (engine/fp8.py); a pt file dequantizes to the model's dtype
+            item["hidden_states_scales"], item["dequantize_dtype"] = r["hidden_states_scales"], self.dtype
+        return s.index, item
 
     def _close_writer(self) -> None:
         try:

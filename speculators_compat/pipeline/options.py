@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..engine.config import STATES_DTYPES, check_states_dtype
 from .output.checksums import CHECKSUMS, check_checksum
 
 #: settings of the engine itself (the generator's keyword arguments), as the CLI names them
@@ -25,6 +26,7 @@ ENGINE_ARGS = (
     "gpu_memory_utilization",
     "enable_expert_parallel",
     "async_scheduling",
+    "states_dtype",
 )
 WRITER_MODES = ("auto", "thread", "process")
 #: ExtractOptions fields whose flag says the opposite, or is named otherwise
@@ -83,6 +85,10 @@ class ExtractOptions:
     def tensor_parallel_size(self) -> int:
         return self.engine.get("tensor_parallel_size") or 1
 
+    @property
+    def states_dtype(self) -> str:
+        return self.engine.get("states_dtype") or "auto"
+
     def check(self, input_path: str, output: str) -> None:
         """Every setting a run can refuse without touching anything (ValueError naming it)."""
         from .writers.shards import check_shard_size
@@ -98,6 +104,12 @@ class ExtractOptions:
             raise ValueError(f"on_overlength must be truncate, error or skip, not {self.on_overlength!r}")
         check_checksum(self.checksum)
         check_shard_size(self.shard_size, self.fmt, self.writer)
+        check_states_dtype(self.states_dtype)
+        if self.states_dtype == "fp8" and self.shard_size > 1:
+            raise ValueError(
+                "--states-dtype fp8 is written one file a sample (--format speculators-hs, pt or "
+                "safetensors), not in shards: leave out --shard-size"
+            )
         if self.fmt != "speculators-hs":
             return
         if self.on_overlength == "skip":
@@ -179,6 +191,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive_int, default=None)
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.8)
     p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument(
+        "--states-dtype",
+        choices=STATES_DTYPES,
+        default="auto",
+        help="auto: the model's dtype; fp8: e4m3 with one float32 scale per token, quantized on the "
+        "device as speculators' hs-connectors fp8 backend does (half the bytes of bf16; "
+        "docs/storage.md)",
+    )
 
 
 def add_extract_args(p: argparse.ArgumentParser) -> None:

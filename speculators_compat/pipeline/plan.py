@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine.config import STATES_DTYPES
+
 GiB = 1024**3
 GB = 1000**3
 
@@ -53,6 +55,8 @@ class Plan:
     handoff_bytes: int | None = None
     # the run split into this many parts (--world-size x --data-parallel-size): each part's share
     parts: int = 1
+    states_dtype: str = "auto"
+    by_states_dtype: dict = field(default_factory=dict)  # per --states-dtype: bytes per token, disk
 
 
 def _text_cfg(cfg: dict) -> dict:
@@ -138,9 +142,15 @@ def count_params(cfg: dict) -> dict[str, Any]:
     return {"groups": groups, "is_mla": is_mla, "hidden": h, "layers": n}
 
 
-def disk_bytes_per_token(layers: int, hidden: int, dtype_bytes: int) -> int:
+def state_bytes_per_token(layers: int, hidden: int, dtype_bytes: int, states_dtype: str = "auto") -> int:
+    """A token's hidden states: ``dtype_bytes`` per value, or (``fp8``) one byte per value plus its
+    float32 scale (engine/fp8.py)."""
+    return layers * hidden + 4 if states_dtype == "fp8" else layers * hidden * dtype_bytes
+
+
+def disk_bytes_per_token(layers: int, hidden: int, dtype_bytes: int, states_dtype: str = "auto") -> int:
     """What a token costs on the output disk: its hidden states, plus int64 input_ids and loss_mask."""
-    return layers * hidden * dtype_bytes + 8 + 8
+    return state_bytes_per_token(layers, hidden, dtype_bytes, states_dtype) + 8 + 8
 
 
 def _weight_bytes(info: dict, qbits: int, dtype_bytes: int, tp: int) -> tuple[int, int, float, float]:
@@ -199,6 +209,29 @@ def _dataset_sizes(samples: int | None, tokens: int | None, hidden_per_token: in
     }
 
 
+def _by_states_dtype(layers: int, h: int, dtype_bytes: int, samples: int | None, tokens: int | None) -> dict:
+    """Each states dtype's bytes per token (and disk, with a dataset), whichever was chosen."""
+    both = {}
+    for sd in STATES_DTYPES:
+        per_token = state_bytes_per_token(layers, h, dtype_bytes, sd)
+        disk = disk_bytes_per_token(layers, h, dtype_bytes, sd)
+        both[sd] = {"hidden_bytes_per_token": per_token, "disk_bytes_per_token": disk}
+        if sizes := _dataset_sizes(samples, tokens, per_token, disk):
+            both[sd]["disk_bytes"] = sizes["disk_bytes"]
+    return both
+
+
+def _handoff(batch_size, max_batch_tokens, max_model_len, queue_size, hidden_per_token) -> tuple:
+    """(largest batch's tokens, host hand-off bytes) of a pipeline run, or (None, None)."""
+    if not batch_size:
+        return None, None
+    from ..engine import ARENA_HEADROOM
+
+    tokens = max_batch_tokens or batch_size * (max_model_len - 1)
+    # the slabs the pipeline asks for (its queue plus the batch computed), each with headroom
+    return tokens, int((max(1, queue_size) + 2) * ARENA_HEADROOM * tokens * hidden_per_token)
+
+
 def _read_config(model: str) -> dict:
     cfg_path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
     if not cfg_path.is_file():
@@ -225,6 +258,7 @@ def make_plan(
     parts: int = 1,
     layer_id_convention: str | None = None,
     fmt: str | None = None,
+    states_dtype: str = "auto",
 ) -> Plan:
     from ..layers import resolve as resolve_layers
 
@@ -238,8 +272,8 @@ def make_plan(
     total, quant, wbytes_total, wbytes_gpu = _weight_bytes(info, qbits, dtype_bytes, tp)
     kv = _kv_bytes_per_token(t, info, tp, dtype_bytes)
     mnbt = max_num_batched_tokens or max(8192, max_model_len)
-    hidden_per_token = len(ids) * h * dtype_bytes
-    capture_step = mnbt * hidden_per_token
+    hidden_per_token = state_bytes_per_token(len(ids), h, dtype_bytes, states_dtype)
+    capture_step = mnbt * len(ids) * h * dtype_bytes  # (FP8 too: a step is quantized once all its rows are in)
     if gpu_memory_gib is None:
         gpu_memory_gib = _detect_gpu_gib() or 141.0
     gpu_bytes = int(gpu_memory_gib * GiB)
@@ -249,15 +283,10 @@ def make_plan(
     notes = _notes(qdesc, mnbt, activation, info, dtype_bytes, kv_budget)
     if total_tokens is None and num_samples and avg_tokens:
         total_tokens = int(num_samples * avg_tokens)
-    per_token_disk = disk_bytes_per_token(len(ids), h, dtype_bytes)
+    per_token_disk = disk_bytes_per_token(len(ids), h, dtype_bytes, states_dtype)
     ds = _dataset_sizes(num_samples, total_tokens, hidden_per_token, per_token_disk)
-    handoff_tokens = handoff = None
-    if batch_size:
-        from ..engine import ARENA_HEADROOM
-
-        handoff_tokens = max_batch_tokens or batch_size * (max_model_len - 1)
-        # the slabs the pipeline asks for (its queue plus the batch computed), each with headroom
-        handoff = int((max(1, queue_size) + 2) * ARENA_HEADROOM * handoff_tokens * hidden_per_token)
+    both = _by_states_dtype(len(ids), h, dtype_bytes, num_samples, total_tokens)
+    handoff_tokens, handoff = _handoff(batch_size, max_batch_tokens, max_model_len, queue_size, hidden_per_token)
     return Plan(
         model=str(model),
         architecture=(cfg.get("architectures") or ["?"])[0],
@@ -283,6 +312,8 @@ def make_plan(
         handoff_batch_tokens=handoff_tokens,
         handoff_bytes=handoff,
         parts=parts,
+        states_dtype=states_dtype,
+        by_states_dtype=both,
     )
 
 
@@ -311,8 +342,14 @@ def format_plan(p: Plan) -> str:
         f"  GPU memory {gib(p.gpu_memory_bytes)} per GPU; KV cache left {gib(p.kv_cache_bytes_per_gpu)} "
         f"= {p.kv_cache_tokens:,} tokens at {p.kv_bytes_per_token_per_gpu:,} B/token/GPU",
         f"  per step: {p.tokens_per_step:,} tokens; capture buffers {gib(p.capture_bytes_per_step)} on GPU",
-        f"  hidden states: {p.hidden_bytes_per_token:,} B per token ({len(p.layer_ids)} layers x "
-        f"{p.hidden_size} x 2 B)",
+        f"  hidden states ({p.states_dtype}): {p.hidden_bytes_per_token:,} B per token ({len(p.layer_ids)} layers x "
+        f"{p.hidden_size} x {'1 B + a 4 B scale' if p.states_dtype == 'fp8' else '2 B'})",
+        "  by --states-dtype: "
+        + "; ".join(
+            f"{sd} {b['hidden_bytes_per_token']:,} B/token"
+            + (f", disk {gib(b['disk_bytes'])}" if "disk_bytes" in b else "")
+            for sd, b in p.by_states_dtype.items()
+        ),
         f"  output disk: {p.disk_bytes_per_token * 1000 / 1e6:,.1f} MB/s for each 1,000 tokens/s extracted "
         f"(the pipeline goes no faster than its output disk writes)",
     ]
@@ -378,6 +415,7 @@ def main_plan(args) -> int:
         parts=(getattr(args, "world_size", None) or 1) * (getattr(args, "data_parallel_size", None) or 1),
         layer_id_convention=getattr(args, "layer_id_convention", None),
         fmt=getattr(args, "format", None),
+        states_dtype=getattr(args, "states_dtype", "auto"),
     )
     print(json.dumps(asdict(p), indent=2) if getattr(args, "json", False) else format_plan(p))
     return 0

@@ -22,7 +22,9 @@ def dtype_name(dtype) -> str | None:
     return next((k for k, names in DTYPE_NAMES.items() if name in names), None)
 
 
-def check_free_space(root, scan, to_compute: int, layers: int, hidden: int | None, dtype) -> None:
+def check_free_space(
+    root, scan, to_compute: int, layers: int, hidden: int | None, dtype, states_dtype: str = "auto"
+) -> None:
     """Refuse a run whose files cannot fit the output's free space (what ``plan`` prints as disk
     needed: the samples left to compute, at the model's hidden size; 2-byte states unless float32
     was asked for, so the estimate errs low). Unknown sizes (a hub id) are not checked."""
@@ -32,7 +34,7 @@ def check_free_space(root, scan, to_compute: int, layers: int, hidden: int | Non
         scan.tokens
         * to_compute
         // scan.samples
-        * disk_bytes_per_token(layers, hidden, 4 if dtype_name(dtype) == "float32" else 2)
+        * disk_bytes_per_token(layers, hidden, 4 if dtype_name(dtype) == "float32" else 2, states_dtype)
     )
     free = shutil.disk_usage(root).free
     if need > free:

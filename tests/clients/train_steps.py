@@ -5,7 +5,10 @@ extracted data, through that release's own data classes (its dataset, batch samp
 
 ``--format pt``: ``data_{i}.pt`` files read by ``Eagle3SampleFileDataset`` (0.3.x, 0.4.x);
 ``--format hs``: a dataset directory with ``hidden_states/hs_{i}.safetensors`` read by
-``ArrowDataset`` (0.5+). Prints one ``TRAIN {json}`` line: the loss per step and what was read.
+``ArrowDataset`` (0.5+), through its ``file`` hidden-states backend or (``--backend fp8``) its
+``fp8`` one. ``--compare DIR``: the same samples from another output, read the same way; the worst
+per-sample relative error between the two is reported. Prints one ``TRAIN {json}`` line: the loss
+per step and what was read.
 
 Why not the release's own ``Trainer``: it places the model on ``torch.device(local_rank)``, i.e.
 CUDA device 0 (its ``setup_model`` calls ``to_empty(device="cuda")``), so it cannot run here; the
@@ -87,7 +90,7 @@ def draft_model_05(verifier: str, target_layer_ids: list[int]):
     )
 
 
-def loader(fmt: str, data: str, max_len: int, hidden_size: int, aux: int):
+def loader(fmt: str, data: str, max_len: int, hidden_size: int, aux: int, backend: str = "file"):
     from speculators.train import data as sd
     from torch.utils.data import DataLoader
 
@@ -99,7 +102,18 @@ def loader(fmt: str, data: str, max_len: int, hidden_size: int, aux: int):
             batch_max_length=max_len, lengths=dataset.approx_lengths, num_replicas=1, rank=0
         )
         return dataset, DataLoader(dataset, batch_sampler=sampler, collate_fn=sd.create_collate_fn(max_len))
-    dataset = sd.ArrowDataset(max_len=max_len, datapath=data, on_missing="raise", hidden_states_dtype=torch.float32)
+    import argparse
+    from pathlib import Path
+
+    from hs_connectors import HiddenStatesBackend
+
+    # the backend as its trainer (train/cli.py) builds it from --hidden-states-backend
+    cls = HiddenStatesBackend.registry[backend]
+    transfer = cls.from_train_args(argparse.Namespace(hidden_states_path=None), data)
+    assert Path(transfer.hidden_states_path) == Path(data) / "hidden_states"
+    dataset = sd.ArrowDataset(
+        max_len=max_len, datapath=data, on_missing="raise", hidden_states_dtype=torch.float32, transfer=transfer
+    )
     collate = sd.CollateFn(max_len, hidden_size=hidden_size, num_target_layers=aux, dtype=torch.float32)
     return dataset, DataLoader(dataset, batch_size=2, collate_fn=collate)
 
@@ -112,6 +126,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--target-layer-ids", default="2,3,4", help="hs: the draft's aux layers (vLLM ids)")
+    ap.add_argument("--backend", choices=("file", "fp8"), default="file", help="hs: its hidden-states backend")
+    ap.add_argument("--compare", default=None, help="another output of the same samples (see above)")
     a = ap.parse_args()
 
     from importlib.metadata import version
@@ -125,7 +141,7 @@ def main() -> None:
     model = draft_model_03(a.verifier) if a.format == "pt" else draft_model_05(a.verifier, aux)
     model = model.to(torch.float32)
     hidden = AutoConfig.from_pretrained(a.verifier).hidden_size
-    dataset, dl = loader(a.format, a.data, a.max_len, hidden, len(aux))
+    dataset, dl = loader(a.format, a.data, a.max_len, hidden, len(aux), a.backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     losses, shapes = [], None
@@ -160,6 +176,14 @@ def main() -> None:
     items = [dataset[i] for i in range(len(dataset))]
     out["unavailable"] = sum(not isinstance(x, dict) for x in items)
     out["loss_mask_sums"] = [int(x["loss_mask"].sum()) for x in items if isinstance(x, dict)]
+    if a.compare:  # (read by the same class, with its default backend)
+        other, _ = loader(a.format, a.compare, a.max_len, hidden, len(aux))
+        errs = []
+        for x, i in zip(items, range(len(other))):
+            y = other[i]
+            for k in ("hidden_states", "verifier_last_hidden_states"):
+                errs.append(float((x[k].float() - y[k].float()).norm() / y[k].float().norm().clamp_min(1e-12)))
+        out["max_relative_error_vs_compare"] = max(errs)
     print("TRAIN " + json.dumps(out), flush=True)
 
 

@@ -279,6 +279,48 @@ def test_trainer_on_extract_output(rel, extract_output, llama_path):
         assert train["approx_lengths"] == [len(prompts[i]) for i in order], train
 
 
+@pytest.fixture(scope="module")
+def fp8_extract_output(extract_output, llama_path):
+    """The same samples extracted with ``--states-dtype fp8``."""
+    from speculators_compat.pipeline.extract import run_extract
+
+    out, _, _ = extract_output
+    out8 = out.parent / "out-fp8"
+    src = out.parent / "in.jsonl"
+    run_extract(
+        llama_path, str(src), str(out8), layer_ids=LAYERS, progress=False, max_model_len=512, states_dtype="fp8"
+    )
+    return out8
+
+
+@tf4_only
+@one_cell_04
+@pytest.mark.parametrize("rel", ["0.3.0", "0.4.0"])
+def test_trainer_on_fp8_extract_output(rel, extract_output, fp8_extract_output, llama_path):
+    """``--states-dtype fp8`` data_{i}.pt files: with ``import speculators_compat`` (train_steps.py
+    has it) the release's own dataset reads dequantized layers, within fp8's rounding (2^-4
+    relative) of the same samples' unquantized files, and its draft trains on them; a reader
+    without it fails on the first file, naming our loader, instead of reading e4m3 values as states."""
+    out, prompts, masks = extract_output
+    r = None if rel == "0.3.0" else release(rel)
+    args = ["--data", str(fp8_extract_output), "--verifier", llama_path, "--compare", str(out)]
+    train, log = run_py(CLIENTS / "train_steps.py", args, "TRAIN", r, TRAIN_ENV)
+    assert train is not None, log
+    print(f"speculators {rel} trainer over extract --states-dtype fp8: {train}")
+    assert train["speculators"] == rel and train["samples"] == len(prompts) and train["unavailable"] == 0, train
+    assert train["finite"] and train["losses"][-1] < train["losses"][0], train
+    assert 0 < train["max_relative_error_vs_compare"] <= 2**-4, train
+    order = [int(p.stem[5:]) for p in sorted(fp8_extract_output.glob("data_*.pt"))]
+    assert train["loss_mask_sums"] == [sum(masks[i]) for i in order], train
+
+    read, log = run_py(CLIENTS / "read_pt.py", ["--data", str(fp8_extract_output)], "READ", r, TRAIN_ENV)
+    assert read is not None, log
+    assert not read["compat_imported"] and "read" not in read, read
+    assert "speculators_compat.engine.fp8.load_fp8_hidden_states" in read["error"], read
+    read, log = run_py(CLIENTS / "read_pt.py", ["--data", str(out)], "READ", r, TRAIN_ENV)  # (unquantized: fine)
+    assert read is not None and len(read["read"]) == len(prompts), log
+
+
 # -- speculators >= 0.5: extract --format speculators-hs, read by 0.9.0's own loader and trainer ---------
 
 one_cell_09 = pytest.mark.skipif(
@@ -361,4 +403,34 @@ def test_speculators_hs_output_read_by_newest_trainer(prepared_dataset, llama_pa
     assert train["speculators"] == "0.9.0" and train["samples"] == len(prompts) and train["unavailable"] == 0, train
     assert train["loss_mask_sums"] == [sum(m[:511]) for m in masks], train
     assert train["approx_lengths"] == [len(c) for c in cut], train
+    assert train["finite"] and train["losses"][-1] < train["losses"][0], train
+
+
+@one_cell_09
+def test_fp8_speculators_hs_read_by_newest_trainer(prepared_dataset, llama_path, tmp_path):
+    """``--format speculators-hs --states-dtype fp8``: 0.9.0's ArrowDataset with its ``fp8``
+    hidden-states backend (hs-connectors' FP8Transfer, as its trainer's ``--hidden-states-backend
+    fp8`` builds it) reads every row within fp8's rounding of the unquantized run's, and its draft
+    trains on them. (Bytes and arithmetic against hs-connectors: tests/engine/test_fp8_states.py.)"""
+    from speculators_compat.pipeline.extract import run_extract
+    from speculators_compat.pipeline.output.verify import verify_output
+
+    d, prompts, masks = prepared_dataset
+    kw = dict(fmt="speculators-hs", progress=False, max_model_len=512, layer_ids=HS_LAYERS, batch_size=5)
+    run_extract(llama_path, str(d), str(tmp_path / "bf16"), **kw)
+    run_extract(llama_path, str(d), str(tmp_path / "fp8"), states_dtype="fp8", **kw)
+    assert verify_output(tmp_path / "fp8")["ok"]
+    args = ["--verifier", llama_path, "--format", "hs", "--target-layer-ids", "2,3,4"]
+    train, log = run_py(
+        CLIENTS / "train_steps.py",
+        ["--data", str(tmp_path / "fp8"), "--backend", "fp8", "--compare", str(tmp_path / "bf16"), *args],
+        "TRAIN",
+        release("0.9.0"),
+        TRAIN_ENV,
+    )
+    assert train is not None, log
+    print(f"speculators 0.9.0 trainer over extract --format speculators-hs --states-dtype fp8: {train}")
+    assert train["samples"] == len(prompts) and train["unavailable"] == 0, train
+    assert train["loss_mask_sums"] == [sum(m[:511]) for m in masks], train
+    assert 0 < train["max_relative_error_vs_compare"] <= 2**-4, train
     assert train["finite"] and train["losses"][-1] < train["losses"][0], train

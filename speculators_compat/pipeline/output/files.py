@@ -10,6 +10,10 @@
                            "token_ids": LongTensor[T]}; the loss masks go to the dataset beside it
                           (trainer_dataset.py)
 
+FP8 states (``--states-dtype fp8``, engine/fp8.py): speculators-hs adds "hidden_states_scales"
+float32 [T, 1, 1] (hs-connectors' ``fp8`` layout, e4m3 "hidden_states"); safetensors adds it as
+[T, 1]; a pt file holds the layers as a loader call that dequantizes them (fp8.PtStates).
+
 Every file is written to a temp name (``.data_{i}.pt.partial``: not ``*pt``, so the trainer never
 sees it) and renamed into place: a crash leaves either no file or the whole file.
 """
@@ -25,6 +29,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ...engine.fp8 import SCALES_KEY, PtStates
 from . import crc, ptfile
 from .checksums import DEFAULT_CHECKSUM, HashingFile, new_digest
 
@@ -65,7 +70,11 @@ def write_sample(
     docs/benchmarks.md) unless it declines. Otherwise a sample whose states exceed
     ``SMALL_SAMPLE_BYTES`` streams torch.save into the file through a hash (no in-memory copy); a
     smaller one is serialised in memory and written with one call. All give the same bytes."""
-    if fmt == "pt":
+    if fmt == "pt" and SCALES_KEY in sample:  # FP8 states: torch.save writes the loader call
+        sample = _unowned_states(sample)
+        sample = {k: v for k, v in sample.items() if k not in (SCALES_KEY, "dequantize_dtype")}
+        sample["hidden_states"] = PtStates(sample["hidden_states"], sample.pop("_scales"), sample.pop("_dtype"))
+    elif fmt == "pt":
         parts = ptfile.encode(sample)  # torch.save's bytes, built directly; None: torch.save must write it
         if parts is not None:
             if checksum == "crc32":  # from the records' own CRCs: the states are not read again
@@ -126,7 +135,10 @@ def _unowned_states(sample: dict[str, Any]) -> dict[str, Any]:
             aliases[key] = torch.frombuffer(raw, dtype=torch.uint8).view(h.dtype).view(h.shape)
         return aliases[key]
 
-    return {**sample, "hidden_states": [alias(h) for h in sample["hidden_states"]]}
+    out = {**sample, "hidden_states": [alias(h) for h in sample["hidden_states"]]}
+    if SCALES_KEY in sample:
+        out["_scales"], out["_dtype"] = alias(sample[SCALES_KEY]), sample.get("dequantize_dtype", "bfloat16")
+    return out
 
 
 def _torch_bytes(sample: dict[str, Any]) -> memoryview:
@@ -141,7 +153,10 @@ SMALL_SAMPLE_BYTES = 1 << 20
 
 
 def _payload_bytes(sample: dict[str, Any]) -> int:
-    return sum(h.numel() * h.element_size() for h in sample["hidden_states"])
+    states = sample["hidden_states"]
+    if isinstance(states, PtStates):
+        states = [*states.args[0], states.args[1]]
+    return sum(h.numel() * h.element_size() for h in states)
 
 
 def _safetensors_bytes(sample: dict[str, Any]) -> bytes:
@@ -149,6 +164,8 @@ def _safetensors_bytes(sample: dict[str, Any]) -> bytes:
 
     tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
     tensors.update(distinct_states("hidden_states_{}", sample["hidden_states"]))
+    if SCALES_KEY in sample:
+        tensors[SCALES_KEY] = sample[SCALES_KEY].contiguous()
     return save(tensors)
 
 
@@ -158,7 +175,10 @@ def _hs_bytes(sample: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
     states = torch.stack([h.contiguous() for h in sample["hidden_states"]], dim=1)
-    return save({"hidden_states": states, "token_ids": sample["input_ids"].to(torch.long).contiguous()})
+    tensors = {"hidden_states": states, "token_ids": sample["input_ids"].to(torch.long).contiguous()}
+    if SCALES_KEY in sample:  # hs-connectors' fp8 layout: [T, 1, 1], broadcast over [T, L, H]
+        tensors[SCALES_KEY] = sample[SCALES_KEY].reshape(-1, 1, 1).contiguous()
+    return save(tensors)
 
 
 _SERIALISE = {"pt": _torch_bytes, "safetensors": _safetensors_bytes, "speculators-hs": _hs_bytes}

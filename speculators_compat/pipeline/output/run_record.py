@@ -25,6 +25,8 @@ class RunRecord:
 
     #: run.json keys that describe the latest run rather than the dataset: rewritten, never compared
     LATEST = ("samples", "skipped_overlength", "input_scan")
+    #: what a run.json without the key was made with (written before the setting existed)
+    IMPLIED = {"states_dtype": "auto"}
 
     def check_total(self, total: int) -> None:
         """Refuse a run that reads fewer samples than this output holds files for (a smaller
@@ -75,6 +77,7 @@ class RunRecord:
         from ...checkpoint import describe_model_change
         from ..dataset import describe_input_change
 
+        old = {**self.IMPLIED, **old}
         old_fp = old.get("fingerprints") or {}
         describers = {"model": describe_model_change, "input": describe_input_change}
         same_files = {

@@ -50,6 +50,9 @@ def verify_output(root: str | Path) -> dict:
     else:
         raise FileNotFoundError(f"{root} has neither manifest.json nor checksums.jsonl: not an extract output")
     problems = [p for rec in records if (p := _check_file(root, rec))]
+    run = _run_record(root)
+    if run.get("states_dtype") == "fp8":
+        problems += [p for rec in records if (p := check_fp8_file(root / rec["file"], run))]
     listed = {rec["file"] for rec in records}
     dataset = json.loads(manifest.read_text()).get("dataset") if manifest.exists() else None
     for rec in (dataset or {}).get("files", []):  # (speculators-hs: its input_ids/loss_mask dataset)
@@ -84,13 +87,70 @@ def _check_file(folder: Path, rec: dict) -> str | None:
     return None
 
 
+def _run_record(root: Path) -> dict:
+    try:
+        return json.loads((root / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def check_fp8_file(path: Path, run: dict) -> str | None:
+    """What is wrong with the FP8 states in data file ``path`` (their dtype, shapes against its
+    tokens and the run's layers and hidden size, scales finite and > 0), or None. A missing file
+    is the checksum check's to report."""
+    if not path.exists():
+        return None
+    try:
+        states, scales, tokens = _fp8_contents(path, run.get("format", "pt"))
+    except Exception as e:  # an unreadable file is a problem to list, not to stop verify on
+        return f"{path.name}: cannot read its FP8 states ({type(e).__name__}: {e})"
+    import torch
+
+    from ...engine.fp8 import fp8_dtype
+
+    layers, hidden = len(run.get("layer_ids") or []), run.get("hidden_size")
+    bad = [f"{tuple(h.shape)} {h.dtype}" for h in states if h.dtype != fp8_dtype() or h.shape[0] != tokens]
+    bad += [f"hidden size {h.shape[-1]}, not {hidden}" for h in states if hidden and h.shape[-1] != hidden][:1]
+    if layers and len(states) != layers:
+        bad.append(f"{len(states)} layers, not {layers}")
+    if scales.dtype != torch.float32 or scales.numel() != tokens:
+        bad.append(f"scales {tuple(scales.shape)} {scales.dtype} for {tokens} tokens")
+    elif not bool((torch.isfinite(scales) & (scales > 0)).all()):
+        bad.append("a scale that is not finite and > 0")
+    return f"{path.name}: FP8 states: {'; '.join(bad)}" if bad else None
+
+
+def _fp8_contents(path: Path, fmt: str) -> tuple[list, object, int]:
+    """(e4m3 states per layer, scales, tokens) of an FP8 data file of format ``fmt``."""
+    import torch
+
+    from ...engine.fp8 import SCALES_KEY, Fp8States, raw_pt_states
+
+    if fmt == "pt":
+        with raw_pt_states():
+            d = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        fp8 = d["hidden_states"]
+        if not isinstance(fp8, Fp8States):
+            raise ValueError("its hidden_states are not FP8 states")
+        return list(fp8.layers), fp8.scales, int(d["input_ids"].numel())
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        if fmt == "speculators-hs":
+            hs = f.get_tensor("hidden_states")
+            states, tokens = [hs[:, j] for j in range(hs.shape[1])], int(f.get_slice("token_ids").get_shape()[0])
+        else:
+            n = sum(1 for k in keys if k.startswith("hidden_states_") and k != SCALES_KEY)
+            states = [f.get_tensor(f"hidden_states_{j}") for j in range(n)]
+            tokens = int(f.get_slice("input_ids").get_shape()[0])
+        return states, f.get_tensor(SCALES_KEY), tokens
+
+
 def _completeness(root: Path, records: list[dict], finished: bool) -> dict:
     """Whether every sample of the run is on disk: ``complete``, ``expected`` (from run.json) and
     ``missing`` (indices with no file that the run did not skip as over-long)."""
-    try:
-        run = json.loads((root / "run.json").read_text())
-    except (OSError, ValueError):
-        run = {}
+    run = _run_record(root)
     expected = run.get("samples")
     if expected is None:  # (an output written before run.json recorded its size)
         return {"complete": finished, "expected": None, "missing": None}

@@ -102,7 +102,6 @@ def _writer_process_main(task_conn, result_conn) -> None:
     import pickle
     import select
 
-    import numpy as np
     import torch
 
     torch.set_num_threads(1)
@@ -128,22 +127,9 @@ def _writer_process_main(task_conn, result_conn) -> None:
             continue
         done = []
         for t in task.samples:
-            layers = sample = buf = None
+            sample = None
             try:
-                dtype = getattr(torch, t.dtype)
-                layers = []
-                for path, off, rows in t.blocks:
-                    mm = maps.get(path)
-                    if mm is None:
-                        with open(path, "r+b") as f:
-                            mm = maps[path] = mmap.mmap(f.fileno(), 0)
-                    buf = np.frombuffer(mm, dtype=np.uint8, count=rows * t.hidden * dtype.itemsize, offset=off)
-                    layers.append(torch.from_numpy(buf).view(dtype).view(rows, t.hidden))
-                sample = {
-                    "input_ids": torch.from_numpy(t.input_ids),
-                    "hidden_states": layers,
-                    "loss_mask": torch.from_numpy(t.loss_mask),
-                }
+                sample = _task_sample(t, maps)
                 path = Path(task.root) / file_name(t.index, task.fmt)
                 digest, nbytes = write_sample(path, sample, task.fmt, task.checksum)
                 done.append((t.index, digest, nbytes, int(t.input_ids.size)))
@@ -152,7 +138,7 @@ def _writer_process_main(task_conn, result_conn) -> None:
                 done = None
                 break
             finally:
-                layers = sample = buf = None
+                sample = None
         if done is not None:
             result_conn.send(("ok", done))  # one message a task
         gc.collect(1)  # cycles made while writing (write_sample keeps the mapped rows out of torch.save's)
@@ -161,6 +147,34 @@ def _writer_process_main(task_conn, result_conn) -> None:
                 maps.pop(p).close()
             except BufferError:  # still referenced (cannot happen once the sample is dropped)
                 pass
+
+
+def _task_sample(t: SampleTask, maps: dict) -> dict:
+    """The sample a task names, its rows read in place from the engine's arena files (mapped
+    once into ``maps``)."""
+    import mmap
+
+    import numpy as np
+    import torch
+
+    def rows(path: str, off: int, n: int, width: int, dtype):
+        mm = maps.get(path)
+        if mm is None:
+            with open(path, "r+b") as f:
+                mm = maps[path] = mmap.mmap(f.fileno(), 0)
+        buf = np.frombuffer(mm, dtype=np.uint8, count=n * width * dtype.itemsize, offset=off)
+        return torch.from_numpy(buf).view(dtype).view(n, width)
+
+    dtype = getattr(torch, t.dtype)
+    sample = {
+        "input_ids": torch.from_numpy(t.input_ids),
+        "hidden_states": [rows(*b, t.hidden, dtype) for b in t.blocks],
+        "loss_mask": torch.from_numpy(t.loss_mask),
+    }
+    if t.scales is not None:  # FP8 states: their per-token scales, float32 [T, 1]
+        sample["hidden_states_scales"] = rows(*t.scales, 1, torch.float32)
+        sample["dequantize_dtype"] = t.dequantize_dtype
+    return sample
 
 
 @dataclass
@@ -173,6 +187,8 @@ class SampleTask:
     blocks: list[tuple[str, int, int]]  # per layer: (arena file, byte offset, rows)
     hidden: int
     dtype: str  # torch dtype name
+    scales: tuple[str, int, int] | None = None  # FP8 states: where their float32 scales lie
+    dequantize_dtype: str | None = None  # FP8 states: the model's dtype (a pt file dequantizes to it)
 
 
 @dataclass
@@ -404,7 +420,9 @@ class ProcessWriter(Writer):
         procs = self.pool.procs
         for index, sample in items:
             blocks = [self.describe(h) for h in sample["hidden_states"]]
-            if all(b is not None for b in blocks):
+            scales = sample.get("hidden_states_scales")
+            sblock = self.describe(scales) if scales is not None else None
+            if all(b is not None for b in blocks) and (scales is None or sblock is not None):
                 h0 = sample["hidden_states"][0]
                 size = sum(h.numel() * h.element_size() for h in sample["hidden_states"])
                 k = min(range(len(procs)), key=lambda i: procs[i].load)  # least bytes still to write
@@ -419,6 +437,8 @@ class ProcessWriter(Writer):
                         blocks,
                         int(h0.shape[-1]),
                         str(h0.dtype).replace("torch.", ""),
+                        sblock,
+                        sample.get("dequantize_dtype"),
                     )
                 )
             else:
