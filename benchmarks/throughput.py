@@ -18,6 +18,11 @@ batch:
             stock connector's CUDA copy is replaced by a CPU gather (native_cpu_connector.py). Its
             first batch's states are compared with ours (bit-identical is the expectation).
   hf        HF transformers forward with output_hidden_states, micro-batched
+With ``--states-dtypes auto,fp8`` the generate and pipeline contenders run once more on an engine with
+``states_dtype="fp8"`` (rows ``generate[..][fp8]``, ``pipeline[fp8]...``: quantized in the workers),
+and the first batch's FP8 error is reported per layer and token (relative L2 over the hidden size,
+worst and median), against the unquantized engine's states and against HF (float32), beside the
+unquantized states' own error against HF; each pipeline row notes its bytes per token.
 Each is warmed up once, then the contenders run in turn, ``--reps`` rounds (alternating, so drift hits
 all); the table gives the median tokens/s and the spread (min-max), and the last line the ratios.
 Per-batch times of raw, generate and native are kept too: ``first_batch`` gives, per timed run, the
@@ -131,6 +136,12 @@ def main(argv=None) -> int:
         help="e.g. '/tmp,/dev/shm': time the pipeline writing to each, "
         "alternated in one run (overrides --out-dir for the pipeline's output)",
     )
+    ap.add_argument(
+        "--states-dtypes",
+        default="auto",
+        help="e.g. 'auto,fp8': the generate and pipeline contenders on an engine of each states dtype "
+        "(on a GPU all engines stay alive: leave room for each with --gpu-memory-utilization)",
+    )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-native", action="store_true", help="leave out vLLM's own extractor")
     ap.add_argument("--json", default=None, help="write the figures here too")
@@ -225,10 +236,27 @@ def main(argv=None) -> int:
         reqs = [[{"prompt_token_ids": p} for p in b] for b in batches]
         return llm, per_batch("raw", [lambda r=r: llm.generate(r, sp, use_tqdm=False) for r in reqs])
 
-    def make_ours():
-        gen = VllmHiddenStatesGenerator(path, layer_ids=layer_ids, **common)
+    sds = a.states_dtypes.split(",")
+    first_states: dict[str, list] = {}  # states dtype -> the first batch's states (float32, [T, L, H] each)
+
+    def sd_tag(sd):
+        return "" if sd == "auto" else f"[{sd}]"
+
+    def make_ours(sd="auto"):
+        gen = VllmHiddenStatesGenerator(path, layer_ids=layer_ids, states_dtype=sd, **common)
         # like a consumer that saves each batch and drops it
-        return gen, per_batch(f"generate[{dev}]", [lambda b=b: gen.generate(b) for b in batches])
+        return gen, per_batch(f"generate[{dev}]{sd_tag(sd)}", [lambda b=b: gen.generate(b) for b in batches])
+
+    def keep_first(gen, sd):  # untimed: the first batch's states, dequantized, for the error report
+        if sd in first_states:
+            return
+        out = []
+        for r in gen.generate(batches[0]):
+            st = torch.stack([h.float() for h in r["hidden_states"]], dim=1)
+            if "hidden_states_scales" in r:
+                st = st * r["hidden_states_scales"].float()[:, :, None]
+            out.append(st.cpu())
+        first_states[sd] = out
 
     native_info: dict = {}
 
@@ -340,6 +368,7 @@ def main(argv=None) -> int:
                 breakdown.setdefault(name, []).append(
                     {
                         "total_s": round(total, 3),
+                        "bytes_per_token": round(s["bytes"] / max(s["tokens_computed"], 1), 1),
                         **parts,
                         "other_s": round(total - sum(parts.values()), 3),
                         "writer": s["writer"],
@@ -441,7 +470,8 @@ def main(argv=None) -> int:
 
     if cuda:  # all engines alive; alternate call by call
         llm, raw = make_raw()
-        gen, ours = make_ours()
+        engines = {sd: make_ours(sd) for sd in sds}
+        gen, ours = engines[sds[0]]
         if with_native:
             nllm, nat, nat_clean, nat_first = make_native()
             nat(record=False)
@@ -451,14 +481,19 @@ def main(argv=None) -> int:
         warm_ours(gen, ours)  # warm-up (the pipeline's too: its writer processes start once)
         for wm in wms:
             pipeline_fn(gen, wts[0], wm)()
+        for sd, (g, o) in engines.items():
+            o(record=False)
+            keep_first(g, sd)
         for _ in range(a.reps):
             rec("raw", _timed(raw))
-            rec_run(gen, f"generate[{dev}]", lambda: _timed(ours))
-            time_pipelines(gen, "")
+            for sd, (g, o) in engines.items():
+                rec_run(g, f"generate[{dev}]{sd_tag(sd)}", lambda o=o: _timed(o))
+                time_pipelines(g, sd_tag(sd))
             if with_native:
                 native_phase(nat, nat_clean)
         print("worker capture stats:", json.dumps(gen.engine.stats()))
-        gen.close()
+        for g, _ in engines.values():
+            g.close()
         del llm
         if with_native:
             del nllm
@@ -480,14 +515,17 @@ def main(argv=None) -> int:
                     native_phase(nat, nat_clean)
                 shut(nllm)
                 del nllm
-            gen, ours = make_ours()
-            warm_ours(gen, ours)
-            for wm in wms:
-                pipeline_fn(gen, wts[0], wm)()
-            for _ in range(a.reps):
-                rec_run(gen, f"generate[{dev}]", lambda ours=ours: _timed(ours))
-                time_pipelines(gen, "")
-            gen.close()
+            for sd in sds:
+                gen, ours = make_ours(sd)
+                warm_ours(gen, ours)
+                keep_first(gen, sd)
+                for wm in wms:
+                    pipeline_fn(gen, wts[0], wm)()
+                for _ in range(a.reps):
+                    rec_run(gen, f"generate[{dev}]{sd_tag(sd)}", lambda ours=ours: _timed(ours))
+                    time_pipelines(gen, sd_tag(sd))
+                gen.close()
+    fp8_error = _fp8_error(first_states, batches[0], path, layer_ids_resolved)
     if not a.no_hf:
         from transformers import AutoModelForCausalLM
 
@@ -582,6 +620,7 @@ def main(argv=None) -> int:
                     "batch_times_s": batch_s,
                     "first_batch": first_batch,
                     "native": native_info or None,
+                    "fp8_error": fp8_error,
                 },
                 f,
                 indent=1,
@@ -610,8 +649,38 @@ def main(argv=None) -> int:
         done = native_info.get("complete_at_return") or []
         if done:
             print(f"native: files complete when generate() returned: {statistics.mean(done):.1%} on average")
+    for k, v in breakdown.items():
+        print(f"{k}: bytes per token {v[0]['bytes_per_token']:,.1f}")
+    if fp8_error:
+        print("fp8 error, first batch, per layer and token (relative L2 over hidden):", json.dumps(fp8_error))
     print("ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     return 0
+
+
+def _fp8_error(first_states: dict, prompts: list, path: str, layer_ids: list) -> dict | None:
+    """Worst and median relative error per (layer, token) of the FP8 states, against the
+    unquantized engine's and against HF's (float32); and the unquantized states' against HF."""
+    if "fp8" not in first_states or "auto" not in first_states:
+        return None
+    import torch
+
+    from speculators_compat.testing.reference import HFReference
+
+    ref = HFReference(path, layer_ids)
+
+    def rel(a, b):  # [T, L, H] -> [T * L]
+        return ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).flatten()
+
+    hf = [torch.stack(ref(p), dim=1) for p in prompts]
+    out = {}
+    for name, pairs in (
+        ("fp8_vs_unquantized", zip(first_states["fp8"], first_states["auto"])),
+        ("fp8_vs_hf", zip(first_states["fp8"], hf)),
+        ("unquantized_vs_hf", zip(first_states["auto"], hf)),
+    ):
+        e = torch.cat([rel(x, y) for x, y in pairs])
+        out[name] = {"worst": round(float(e.max()), 5), "median": round(float(e.median()), 5)}
+    return out
 
 
 if __name__ == "__main__":
