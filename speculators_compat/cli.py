@@ -55,6 +55,12 @@ def _verify(args) -> int:
     return main_verify(args)
 
 
+def _serve(args) -> int:
+    from .serve.command import main_serve
+
+    return main_serve(args)
+
+
 def _run(args) -> int:
     from .launcher import main_run
 
@@ -84,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="dry run: memory, tokens per step and disk, from config.json only")
     add_plan_args(p)
     p.set_defaults(fn=_plan)
+
+    from .serve.command import add_serve_args
+
+    s = sub.add_parser(
+        "serve",
+        help="an HTTP server for speculators' clients, in place of vllm serve with extract_hidden_states "
+        "(docs/serving.md)",
+    )
+    add_serve_args(s)
+    s.set_defaults(fn=_serve)
 
     r = sub.add_parser(
         "run",

@@ -51,6 +51,7 @@ def test_the_engine_never_imports_its_consumers():
         "speculators_compat.pipeline",
         "speculators_compat.cli",
         "speculators_compat.launcher",
+        "speculators_compat.serve",
     )
     bad = {
         m: sorted(d for d in deps if d.startswith(banned))
@@ -63,9 +64,18 @@ def test_the_engine_never_imports_its_consumers():
 def test_layers_below_never_import_layers_above():
     g = _graph()
     order = {
-        "speculators_compat.generator": ("speculators_compat.pipeline", "speculators_compat.cli"),
-        "speculators_compat.pipeline": ("speculators_compat.cli",),
-        "speculators_compat.patches": ("speculators_compat.pipeline", "speculators_compat.cli"),
+        "speculators_compat.generator": (
+            "speculators_compat.pipeline",
+            "speculators_compat.cli",
+            "speculators_compat.serve",
+        ),
+        "speculators_compat.pipeline": ("speculators_compat.cli", "speculators_compat.serve"),
+        "speculators_compat.patches": (
+            "speculators_compat.pipeline",
+            "speculators_compat.cli",
+            "speculators_compat.serve",
+        ),
+        "speculators_compat.serve": ("speculators_compat.cli",),
     }
     for low, above in order.items():
         for m, deps in g.items():

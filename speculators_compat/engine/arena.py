@@ -133,10 +133,24 @@ class Arena:
                 )
         return self._new(need)
 
-    def reserve(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` more (a new slab now, outside any forward)."""
-        if self.used + nbytes > self.capacity:
+    def reserve(self, nbytes: int, live=None, busy=()) -> None:
+        """Make room for ``nbytes`` more while other requests' rows are still in the arena (outside
+        any forward). ``live``: the slabs those rows are in, when known (continuous batching:
+        stream.py); then a slab none of them is in (nor in ``busy``) is filled again, the smallest
+        that fits, and unused ones beyond ``SPARE`` are released, so the arena stays at what is in
+        flight. Else a new slab, twice the current one."""
+        if self.used + nbytes <= self.capacity:
+            return
+        if live is None:
             self.cur, self.used = self._new(max(nbytes, 2 * self.capacity)), 0
+            return
+        skip = set(busy)
+        unused = [k for k, s in self.slabs.items() if k != self.cur and k not in live and s[0] not in skip]
+        fits = sorted((k for k in unused if self.slabs[k][1].numel() >= nbytes), key=lambda k: self.slabs[k][1].numel())
+        chosen = fits[0] if fits else self._new_with_headroom(nbytes)
+        for k in [k for k in unused if k != chosen][self.SPARE :]:
+            self._release(self.slabs.pop(k))
+        self.cur, self.used = chosen, 0
 
     def alloc(self, nbytes: int) -> tuple[int, int]:
         """(slab, byte offset) of a fresh ``nbytes`` block."""

@@ -47,6 +47,13 @@ from .capture import SCALES, install_capture, take_captures
 logger = logging.getLogger("speculators_compat.worker")
 
 
+def _live_slabs(st) -> set:
+    """The arena slabs some announced request's rows or regions are in."""
+    live = {b for places in st.regions.values() for b, _ in places.values()}
+    live.update(b for segs in st.segments.values() for s in segs for b, _, _ in s.layers)
+    return live
+
+
 class CaptureExtension:
     """Mixed into vLLM's Worker. Public surface: the ``compat_*`` methods (called via RPC)."""
 
@@ -74,8 +81,8 @@ class CaptureExtension:
         # before accepting the batch: a failure (no room) leaves no trace
         if not st.segments and not st.regions:  # every earlier batch was taken: a new one in a free slab
             st.arena.prepare(need, busy, slabs)
-        else:
-            st.arena.reserve(need)
+        else:  # (rows of requests still in flight: continuous batching keeps the slabs they are in)
+            st.arena.reserve(need, _live_slabs(st), busy)
         if need and not st.record_all:
             # each request's rows per entry: one region in announcement order, entry by entry, so
             # requests that run in that order are adjacent
