@@ -105,13 +105,15 @@ def test_a_pt_file_of_fp8_states_dequantizes_at_load_only_with_the_patch(tmp_pat
     assert torch.equal(torch.stack(raw.layers, 1).view(torch.uint8), q.view(torch.uint8))
     assert fp8.load_fp8_hidden_states in torch.serialization.get_safe_globals()  # (left as it was)
     speculators_compat.unpatch()
+    ser = torch.serialization
+    others = [g for g in ser.get_safe_globals() if g is not fp8.load_fp8_hidden_states]
     try:
-        # a reader without the patch: never e4m3 values taken for states
+        with pytest.raises(RuntimeError, match="FP8 hidden states, dequantized at load by speculators_compat"):
+            torch.load(path, weights_only=True)
+        ser.clear_safe_globals()  # a reader that never imported speculators_compat
+        ser.add_safe_globals(others)
         with pytest.raises(pickle.UnpicklingError, match=r"speculators_compat\.engine\.fp8\.load_fp8_hidden_states"):
             torch.load(path, weights_only=True)
-        with torch.serialization.safe_globals([fp8.load_fp8_hidden_states]):
-            with pytest.raises(RuntimeError, match="FP8 hidden states, dequantized at load by speculators_compat"):
-                torch.load(path, weights_only=True)
     finally:
         speculators_compat.patch()
     assert torch.load(path, weights_only=True)["hidden_states"][0].dtype == torch.bfloat16

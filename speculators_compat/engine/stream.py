@@ -93,10 +93,13 @@ class StreamingLoop:
     def _main(self) -> None:
         try:
             while not self._stop.is_set():
-                self._admit(wait=not self._busy())
+                idle = not self._busy()
+                self._admit(wait=idle)
                 if self._busy():
                     self._step()
                     self._take_finished()
+                elif idle and self.engine._worker_died(0.0):  # (seen while idle too: /health says so)
+                    raise EngineDead("a vLLM worker process died")
         except BaseException as e:  # the engine is gone: every caller hears why
             self.dead = e
             logger.error("speculators_compat: the engine loop failed: %s", e)

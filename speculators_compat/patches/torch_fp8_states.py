@@ -3,10 +3,10 @@
 Their ``Eagle3SampleFileDataset`` reads each file with ``torch.load(..., weights_only=True)`` and
 casts ``hidden_states`` to float: e4m3 values there would be silently wrong (no scale applied). So a
 file of FP8 states holds a call of ``engine.fp8.load_fp8_hidden_states`` where the list of layers
-would be (engine/fp8.py). This patch lets torch's weights-only loader make that call (the function
-joins torch's allow-list of globals) and switches the function on: the trainer gets the dequantized
-layers. Without it the load fails, naming the function; after ``unpatch()`` it fails with our
-message.
+would be (engine/fp8.py). This patch wraps ``torch.load`` so that torch's weights-only loader may
+make that call (the function joins torch's allow-list of globals) and switches the function on: the
+trainer gets the dequantized layers. Without it the load fails, naming the function; after
+``unpatch()`` it fails with our message.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from ..registry import Patch
 class Fp8StatesLoadPatch(Patch):
     name = "torch_load_fp8_states"
     module = "torch"  # (fires once torch is whole; torch.serialization is imported midway through it)
-    targets = ("torch.serialization:add_safe_globals",)
+    targets = ("torch:load",)
     package = "torch"
-    versions = ">=2.4"  # (add_safe_globals / get_safe_globals / clear_safe_globals came in 2.4)
+    versions = ">=2.4"  # (add_safe_globals / get_safe_globals came in 2.4)
     process = "driver"
-    risk = "low: torch's public allow-list API for weights-only loading"
+    risk = "low: wraps torch.load without changing its arguments; torch's public allow-list API"
     description = (
         "let torch.load(weights_only=True) call speculators_compat's FP8 loader, so that "
         "speculators 0.3/0.4's trainers read data_{i}.pt files of FP8 states as dequantized layers"
@@ -39,14 +39,20 @@ class Fp8StatesLoadPatch(Patch):
     def _apply(self, module) -> None:
         from ..engine.fp8 import load_fp8_hidden_states, set_pt_loader
 
-        module.serialization.add_safe_globals([load_fp8_hidden_states])
+        ser = module.serialization
+
+        def load(wrapped, instance, args, kwargs):
+            # (added, never taken off: torch's own context manager would take it off a list that
+            # another thread's load may be reading; off, the loader refuses with our message)
+            if load_fp8_hidden_states not in ser.get_safe_globals():
+                ser.add_safe_globals([load_fp8_hidden_states])
+            return wrapped(*args, **kwargs)
+
+        self.wrap(module, "load", load)
         set_pt_loader(True)
 
     def _revert(self, module) -> None:
-        from ..engine.fp8 import load_fp8_hidden_states, set_pt_loader
+        from ..engine.fp8 import set_pt_loader
 
         set_pt_loader(False)
-        ser = module.serialization
-        keep = [g for g in ser.get_safe_globals() if g is not load_fp8_hidden_states]
-        ser.clear_safe_globals()
-        ser.add_safe_globals(keep)
+        self._unwrap_all()

@@ -5,6 +5,9 @@ speculators' clients send (``speculators/data_generation/vllm_client.py``):
     POST /v1/chat/completions   messages, rendered with the tokenizer's chat template
                                 (add_generation_prompt, continue_final_message)
     GET  /v1/models, GET /health
+    GET / DELETE /<file>.safetensors   a file under --hidden-states-path, for a trainer on another
+                                host (what speculators' ``http`` hidden-states backend asks of
+                                its ``scripts/serve_hs.py``)
 
 A completion answers with ``choices[0].prompt_token_ids`` (chat: ``prompt_token_ids`` at the top)
 when ``return_token_ids`` is asked, one sampled token, and ``kv_transfer_params:
@@ -27,9 +30,7 @@ def build_app(service: Service):
     from fastapi.responses import JSONResponse
 
     app = FastAPI(title="speculators-compat serve")
-
-    def error(status: int, message: str, kind: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    error = _error
 
     async def body_of(request: Request) -> dict:
         try:
@@ -86,7 +87,34 @@ def build_app(service: Service):
             return error(503, f"the engine failed: {service.loop.dead}", "ServiceUnavailableError")
         return {"status": "ok", "in_flight": service.loop.in_flight, "served": service.loop.served}
 
+    _file_routes(app, service)
     return app
+
+
+def _file_routes(app, service: Service) -> None:
+    """GET / DELETE of a finished file under --hidden-states-path (a trainer on another host)."""
+    from fastapi.responses import FileResponse, Response
+
+    @app.get("/{name}")
+    async def get_file(name: str):
+        path = service.file(name)
+        if path is None:
+            return _error(404, f"no hidden-states file {name!r} here", "NotFoundError")
+        return FileResponse(path, media_type="application/octet-stream")
+
+    @app.delete("/{name}")
+    async def delete_file(name: str):
+        path = service.file(name)
+        if path is not None:
+            service.delete(path)
+        return Response(status_code=204)
+
+
+def _error(status: int, message: str, kind: str):
+    """An OpenAI-shaped error answer."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 def _response(service: Service, s: Served, chat: bool, token_ids: bool) -> dict:

@@ -132,6 +132,30 @@ class Service:
         finally:
             os.close(fd)
 
+    def file(self, name: str) -> Path | None:
+        """The finished hs file ``name`` names under the output folder (a bare file name: no path
+        leaves the folder), or None."""
+        if not name.endswith(".safetensors") or name != os.path.basename(name) or name.startswith("."):
+            return None
+        path = self.out_dir / name
+        if not path.is_file():
+            return None
+        lock = Path(f"{path}.lock")
+        if lock.exists():  # (written before its response; a writer still at it holds the lock)
+            try:
+                fd = os.open(lock, os.O_RDONLY)
+            except FileNotFoundError:
+                return path
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            finally:
+                os.close(fd)
+        return path
+
+    def delete(self, path: Path) -> None:
+        for p in (path, Path(f"{path}.lock")):
+            p.unlink(missing_ok=True)
+
     def text(self, token: int) -> str:
         try:
             return self.generator.tokenizer.decode([token])

@@ -6,7 +6,8 @@ extracted data, through that release's own data classes (its dataset, batch samp
 ``--format pt``: ``data_{i}.pt`` files read by ``Eagle3SampleFileDataset`` (0.3.x, 0.4.x);
 ``--format hs``: a dataset directory with ``hidden_states/hs_{i}.safetensors`` read by
 ``ArrowDataset`` (0.5+), through its ``file`` hidden-states backend or (``--backend fp8``) its
-``fp8`` one. ``--compare DIR``: the same samples from another output, read the same way; the worst
+``fp8`` one; with ``--endpoint URL`` its ``--on-missing generate`` asks that server for every row
+without a file. ``--compare DIR``: the same samples from another output, read the same way; the worst
 per-sample relative error between the two is reported. Prints one ``TRAIN {json}`` line: the loss
 per step and what was read.
 
@@ -90,7 +91,9 @@ def draft_model_05(verifier: str, target_layer_ids: list[int]):
     )
 
 
-def loader(fmt: str, data: str, max_len: int, hidden_size: int, aux: int, backend: str = "file"):
+def loader(
+    fmt: str, data: str, max_len: int, hidden_size: int, aux: int, backend: str = "file", endpoint: str | None = None
+):
     from speculators.train import data as sd
     from torch.utils.data import DataLoader
 
@@ -111,8 +114,9 @@ def loader(fmt: str, data: str, max_len: int, hidden_size: int, aux: int, backen
     cls = HiddenStatesBackend.registry[backend]
     transfer = cls.from_train_args(argparse.Namespace(hidden_states_path=None), data)
     assert Path(transfer.hidden_states_path) == Path(data) / "hidden_states"
+    gen = {"on_missing": "generate", "vllm_endpoint": endpoint} if endpoint else {"on_missing": "raise"}
     dataset = sd.ArrowDataset(
-        max_len=max_len, datapath=data, on_missing="raise", hidden_states_dtype=torch.float32, transfer=transfer
+        max_len=max_len, datapath=data, hidden_states_dtype=torch.float32, transfer=transfer, **gen
     )
     collate = sd.CollateFn(max_len, hidden_size=hidden_size, num_target_layers=aux, dtype=torch.float32)
     return dataset, DataLoader(dataset, batch_size=2, collate_fn=collate)
@@ -128,6 +132,11 @@ def main() -> None:
     ap.add_argument("--target-layer-ids", default="2,3,4", help="hs: the draft's aux layers (vLLM ids)")
     ap.add_argument("--backend", choices=("file", "fp8"), default="file", help="hs: its hidden-states backend")
     ap.add_argument("--compare", default=None, help="another output of the same samples (see above)")
+    ap.add_argument(
+        "--endpoint",
+        default=None,
+        help="hs: a server's /v1 URL: rows without a file are generated through it (--on-missing generate)",
+    )
     a = ap.parse_args()
 
     from importlib.metadata import version
@@ -141,7 +150,7 @@ def main() -> None:
     model = draft_model_03(a.verifier) if a.format == "pt" else draft_model_05(a.verifier, aux)
     model = model.to(torch.float32)
     hidden = AutoConfig.from_pretrained(a.verifier).hidden_size
-    dataset, dl = loader(a.format, a.data, a.max_len, hidden, len(aux), a.backend)
+    dataset, dl = loader(a.format, a.data, a.max_len, hidden, len(aux), a.backend, a.endpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     losses, shapes = [], None
