@@ -11,7 +11,8 @@ released), the file then deleted (as speculators' online trainer does):
             ExampleHiddenStatesConnector (on a CPU its CPU stand-in: native_cpu_connector.py)
   generate  in-process VllmHiddenStatesGenerator.generate() over the same prompts in batches of C:
             what the server adds to the engine
-Per contender and concurrency: requests/s, prompt tokens/s, p50 / p99 latency. One server at a time.
+Per contender and concurrency: requests/s, prompt tokens/s, p50 / p99 latency. One server at a time;
+on a CPU every engine gets the same thread binding and reserved cores.
     python benchmarks/serve.py --model llama --prompts 64 --seq-mixed 64,512 --concurrency 1,8,32
 """
 
@@ -110,6 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # equal thread binding and reserved cores for every engine (throughput.py says why)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from speculators_compat.layers import read_num_layers
     from speculators_compat.layers import resolve as resolve_layers
     from speculators_compat.testing import models
