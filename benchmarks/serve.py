@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": rows, "args": vars(a)}, f, indent=1)
+            json.dump({"rows": rows, "args": {k: v for k, v in vars(a).items() if k != "json"}}, f, indent=1)
     return 0
 
 

@@ -14,6 +14,41 @@ import textwrap
 from pathlib import Path
 
 RESULT_MARK = "@@RESULT@@"
+#: speculators releases other than the env's own, installed beside it by scripts/engine_env.py
+RELEASES = Path(sys.prefix) / "speculators-releases"
+
+
+def from_release(version: str, *modules: str) -> list:
+    """``modules`` imported from speculators release ``version`` (installed beside this engine
+    environment); FileNotFoundError when there is none. A module whose top package is already
+    imported here from elsewhere (``speculators``: the env's own release) is loaded from its file
+    alone, apart from that package: only for modules that import nothing of their own package
+    (``speculators.data_generation.vllm_client``)."""
+    import importlib
+    import importlib.util
+
+    root = RELEASES / version
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"speculators {version} is not installed at {root} (scripts/engine_env.py puts it there)"
+        )
+    out = []
+    for name in modules:
+        top = sys.modules.get(name.split(".")[0])
+        if top is not None and not str(getattr(top, "__file__", "")).startswith(str(root)):
+            path = root / (name.replace(".", "/") + ".py")
+            spec = importlib.util.spec_from_file_location(f"release_{version}_{name}".replace(".", "_"), path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            out.append(mod)
+            continue
+        sys.path.insert(0, str(root))
+        try:
+            out.append(importlib.import_module(name))
+        finally:
+            sys.path.remove(str(root))
+    return out
+
 
 PRELUDE = """
 import json, os, sys, traceback

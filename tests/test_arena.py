@@ -39,6 +39,29 @@ def test_growth_keeps_earlier_blocks_until_the_next_batch(prefix):
     assert glob.glob(prefix + "*") == []
 
 
+def test_with_requests_in_flight_a_slab_none_of_them_uses_is_filled_again(prefix):
+    """Continuous batching (engine/stream.py) never drains the arena: ``reserve`` with the slabs
+    the requests in flight use takes a free slab that fits instead of making ever larger ones,
+    and releases free ones beyond SPARE."""
+    a = arena_mod.Arena(prefix, pin=False)
+    a.prepare(1 << 20)
+    first = a.cur
+    a.alloc(1 << 20)  # full
+    a.reserve(1 << 20, live={first})  # the first still in use: a new slab, no larger than asked
+    second = a.cur
+    assert second != first and a.capacity < 2 << 20
+    a.alloc(1 << 20)
+    a.reserve(1 << 20, live={second})  # the first is free again: filled again, nothing made
+    assert a.cur == first and a.used == 0 and len(a.slabs) == 2
+    for _ in range(6):  # a long stream of reserves: the arena stays at what is in flight
+        a.alloc(1 << 20)
+        a.reserve(1 << 20, live={a.cur})
+    assert len(a.slabs) <= 2 + a.SPARE and a.total_bytes < 6 << 20
+    a.reserve(3 << 20, live={a.cur})  # none fits: a new one, and free ones beyond SPARE go
+    assert a.capacity >= 3 << 20
+    a.close()
+
+
 def test_blocks_are_aligned(prefix):
     a = arena_mod.Arena(prefix, pin=False)
     offs = [a.alloc(n)[1] for n in (3, 100, 2, 64, 1)]

@@ -2,9 +2,6 @@
 installed beside the newest engine environment) gives for the same states, and within the stated
 rounding bound of them."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -12,8 +9,7 @@ if not hasattr(torch, "float8_e4m3fn"):
     pytest.skip("this torch has no float8_e4m3fn", allow_module_level=True)
 
 from speculators_compat.engine import fp8  # noqa: E402
-
-RELEASE = Path(sys.prefix) / "speculators-releases" / "0.9.0"
+from tests.helpers import from_release  # noqa: E402
 
 
 def _states(seed=0, t=37, layers=4, hidden=96, dtype=torch.bfloat16):
@@ -26,13 +22,10 @@ def _states(seed=0, t=37, layers=4, hidden=96, dtype=torch.bfloat16):
 
 @pytest.fixture(scope="module")
 def theirs():
-    if not (RELEASE / "hs_connectors" / "fp8_utils.py").is_file():
-        pytest.skip(f"hs-connectors 0.9.0 is not installed at {RELEASE} (scripts/engine_env.py puts it there)")
-    sys.path.insert(0, str(RELEASE))
     try:
-        from hs_connectors import fp8_utils
-    finally:
-        sys.path.remove(str(RELEASE))
+        (fp8_utils,) = from_release("0.9.0", "hs_connectors.fp8_utils")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
     return fp8_utils
 
 

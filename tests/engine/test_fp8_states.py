@@ -13,18 +13,16 @@ Against HF (per sequence and layer, relative Frobenius error): the engine dtype'
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from speculators_compat.testing import models, reference
+from tests.helpers import from_release
 
 torch = pytest.importorskip("torch")
 # the library's own mechanics over the engine (the capture hooks are every version's): newest cell
 pytestmark = pytest.mark.ends
 
-RELEASE = Path(sys.prefix) / "speculators-releases" / "0.9.0"
 LAYERS = [1, 2, 3, 5]
 # 13 prompts (> 10), the long ones split over 64-token steps (chunked prefill)
 MIXED = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200, 3], seed=8)
@@ -33,14 +31,7 @@ FP8_REL = 2**-4
 
 
 def hs_connectors():
-    if not (RELEASE / "hs_connectors" / "fp8_utils.py").is_file():
-        pytest.fail(f"hs-connectors 0.9.0 is not installed at {RELEASE}: build this env with scripts/engine_env.py")
-    sys.path.insert(0, str(RELEASE))
-    try:
-        from hs_connectors import fp8_utils, transfer
-    finally:
-        sys.path.remove(str(RELEASE))
-    return fp8_utils, transfer
+    return from_release("0.9.0", "hs_connectors.fp8_utils", "hs_connectors.transfer")
 
 
 def within_bound(deq: torch.Tensor, unq: torch.Tensor, scales: torch.Tensor) -> bool:

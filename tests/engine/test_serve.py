@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 
 from speculators_compat.testing import models, reference
+from tests.helpers import RELEASES, from_release
 
 pytestmark = pytest.mark.ends  # (the library's own server over the engine: newest cell)
 
-RELEASE = Path(sys.prefix) / "speculators-releases" / "0.9.0"
+RELEASE = RELEASES / "0.9.0"
 LAYERS_VLLM = [2, 3, 4, 6]  # vLLM's ids (the output of k layers), as vllm serve's extractor takes them
 PROMPTS = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200, 3, 70, 44, 17], seed=12)
 TEMPLATE = (
@@ -37,13 +38,7 @@ TEMPLATE = (
 
 
 def client_module():
-    if not (RELEASE / "speculators" / "data_generation" / "vllm_client.py").is_file():
-        pytest.fail(f"speculators 0.9.0 is not installed at {RELEASE}: build this env with scripts/engine_env.py")
-    sys.path.insert(0, str(RELEASE))
-    try:
-        from speculators.data_generation import vllm_client
-    finally:
-        sys.path.remove(str(RELEASE))
+    (vllm_client,) = from_release("0.9.0", "speculators.data_generation.vllm_client")
     return vllm_client
 
 
@@ -265,11 +260,8 @@ def test_fp8_states_from_serve_read_by_speculators_fp8_reader(model_dir, hf_ref,
     from safetensors.torch import load_file
 
     vc = client_module()
-    sys.path.insert(0, str(RELEASE))
-    try:
-        from hs_connectors.transfer import FP8Transfer
-    finally:
-        sys.path.remove(str(RELEASE))
+    (transfer,) = from_release("0.9.0", "hs_connectors.transfer")
+    FP8Transfer = transfer.FP8Transfer  # noqa: N806
     srv = start_server(model_dir, tmp_path / "hs8", "--states-dtype", "fp8")
     try:
         client = openai.Client(base_url=srv["url"] + "/v1", api_key="none")
