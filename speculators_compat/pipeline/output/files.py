@@ -71,9 +71,7 @@ def write_sample(
     ``SMALL_SAMPLE_BYTES`` streams torch.save into the file through a hash (no in-memory copy); a
     smaller one is serialised in memory and written with one call. All give the same bytes."""
     if fmt == "pt" and SCALES_KEY in sample:  # FP8 states: torch.save writes the loader call
-        sample = _unowned_states(sample)
-        sample = {k: v for k, v in sample.items() if k not in (SCALES_KEY, "dequantize_dtype")}
-        sample["hidden_states"] = PtStates(sample["hidden_states"], sample.pop("_scales"), sample.pop("_dtype"))
+        sample = _pt_fp8_sample(_unowned_states(sample))
     elif fmt == "pt":
         parts = ptfile.encode(sample)  # torch.save's bytes, built directly; None: torch.save must write it
         if parts is not None:
@@ -137,7 +135,16 @@ def _unowned_states(sample: dict[str, Any]) -> dict[str, Any]:
 
     out = {**sample, "hidden_states": [alias(h) for h in sample["hidden_states"]]}
     if SCALES_KEY in sample:
-        out["_scales"], out["_dtype"] = alias(sample[SCALES_KEY]), sample.get("dequantize_dtype", "bfloat16")
+        out[SCALES_KEY] = alias(sample[SCALES_KEY])
+    return out
+
+
+def _pt_fp8_sample(sample: dict[str, Any]) -> dict[str, Any]:
+    """FP8 states as a pt file holds them: layers and scales as one loader call (fp8.PtStates),
+    dequantized at load to the model's dtype."""
+    out = {k: v for k, v in sample.items() if k not in (SCALES_KEY, "dequantize_dtype")}
+    dtype = sample.get("dequantize_dtype", "bfloat16")
+    out["hidden_states"] = PtStates(sample["hidden_states"], sample[SCALES_KEY], dtype)
     return out
 
 
