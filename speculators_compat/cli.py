@@ -61,6 +61,17 @@ def _serve(args) -> int:
     return main_serve(args)
 
 
+def _node(args) -> int:
+    from .engine.config import EngineOptions
+    from .engine.node import run_worker_node
+    from .pipeline.options import ENGINE_ARGS
+
+    engine = {k: getattr(args, k) for k in ENGINE_ARGS if getattr(args, k, None) is not None}
+    engine.pop("states_dtype", None)  # (the driver's: its workers are told at set-up)
+    run_worker_node(EngineOptions(model=args.model, node_rank=args.node_rank, **engine))
+    return 0
+
+
 def _run(args) -> int:
     from .launcher import main_run
 
@@ -100,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_args(s)
     s.set_defaults(fn=_serve)
+
+    n = sub.add_parser(
+        "node",
+        help="run this host's workers of an engine over several hosts (--nnodes); the driver's host "
+        "runs extract or serve with the same engine flags (docs/multi-node.md)",
+    )
+    from .pipeline.options import add_model_args
+
+    add_model_args(n)
+    n.add_argument("--node-rank", type=int, required=True, help="this host's rank, 1..nnodes-1")
+    n.set_defaults(fn=_node)
 
     r = sub.add_parser(
         "run",

@@ -137,6 +137,11 @@ class VllmHiddenStatesGenerator:
         gpu_memory_utilization: float = 0.8,
         tensor_parallel_size: int = 1,
         *,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str = "mp",
+        nnodes: int = 1,
+        master_addr: str | None = None,
+        master_port: int | None = None,
         dtype: str = "auto",
         quantization: str | None = None,
         trust_remote_code: bool = False,
@@ -157,13 +162,14 @@ class VllmHiddenStatesGenerator:
             raise TypeError(f"model_path must be a path (str or os.PathLike), not {type(model_path).__name__}")
         if on_overlength not in ("truncate", "error"):
             raise ValueError(f"on_overlength must be 'truncate' or 'error', not {on_overlength!r}")
-        if (
-            isinstance(tensor_parallel_size, bool)
-            or not isinstance(tensor_parallel_size, int)
-            or tensor_parallel_size < 1
+        for name, size in (
+            ("tensor_parallel_size", tensor_parallel_size),
+            ("pipeline_parallel_size", pipeline_parallel_size),
         ):
-            raise ValueError(f"tensor_parallel_size must be a positive integer, not {tensor_parallel_size!r}")
-        _check_devices(tensor_parallel_size)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a positive integer, not {size!r}")
+        if distributed_executor_backend != "ray":  # (Ray places the workers on its cluster's nodes)
+            _check_devices(tensor_parallel_size, pipeline_parallel_size, nnodes)
         self.model_path = model_path
         self.tensor_parallel_size = tensor_parallel_size
         self.on_overlength = on_overlength
@@ -178,6 +184,11 @@ class VllmHiddenStatesGenerator:
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+            nnodes=nnodes,
+            master_addr=master_addr,
+            master_port=master_port,
             dtype=dtype,
             quantization=quantization,
             trust_remote_code=trust_remote_code,
@@ -275,17 +286,21 @@ class VllmHiddenStatesGenerator:
         self.close()
 
 
-def _check_devices(tp: int) -> None:
-    """Fail fast when tensor parallelism asks for more GPUs than this machine has."""
+def _check_devices(tp: int, pp: int = 1, nnodes: int = 1) -> None:
+    """Fail fast when tensor x pipeline parallelism asks for more GPUs than this machine has (the
+    multiprocessing executor's workers are on this host, or this host's share over ``nnodes``)."""
     # (cuda_device_count asks NVML; torch.cuda.is_available() would call cudaGetDeviceCount, which
     # poisons fork: vLLM, seeing CUDA not initialised, forks its workers and they die at start-up)
     n = cuda_device_count()
+    what = f"tensor_parallel_size={tp}" + (f" x pipeline_parallel_size={pp} = {tp * pp} workers" if pp > 1 else "")
+    if nnodes > 1:
+        what += f" over {nnodes} hosts ({tp * pp // nnodes} on this one)"
     if n > 0:
-        if tp > n:
-            raise ValueError(f"tensor_parallel_size={tp} but only {n} CUDA device(s) are visible")
+        if tp * pp // max(nnodes, 1) > n:
+            raise ValueError(f"{what} but only {n} CUDA device(s) are visible")
     elif tp > (os.cpu_count() or 1):
         raise ValueError(
-            f"tensor_parallel_size={tp} but this CPU-only machine has {os.cpu_count()} cores "
+            f"{what} but this CPU-only machine has {os.cpu_count()} cores "
             "(vLLM's CPU backend binds one worker per core group)"
         )
 

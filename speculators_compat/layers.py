@@ -121,3 +121,30 @@ def resolve(
     if layer_ids is None and native:
         return normalize_layer_ids(native_default_layer_ids(num_layers), num_layers, "eagle3", allow_duplicates=True)
     return normalize_layer_ids(layer_ids, num_layers, convention)
+
+
+def stage_ranges(num_layers: int, stages: int, partition: str | None = None) -> list[tuple[int, int]]:
+    """Which decoder layers each pipeline stage computes, ``[(start, end), ...]``, as vLLM splits
+    them (``vllm.distributed.utils.get_pp_indices``): ``partition`` (``VLLM_PP_LAYER_PARTITION``,
+    comma-separated counts; default: that variable) if given, else an even split whose remainder
+    goes to the stages before the last, from the second-to-last backwards. The engine reports the
+    split its workers really made (``model_info["stages"]``); tests hold the two equal."""
+    if partition is None:
+        partition = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    if partition:
+        try:
+            counts = [int(x) for x in partition.split(",")]
+        except ValueError as e:
+            raise ValueError(f"VLLM_PP_LAYER_PARTITION={partition!r}: expected comma-separated integers") from e
+        if len(counts) != stages or sum(counts) != num_layers:
+            raise ValueError(
+                f"VLLM_PP_LAYER_PARTITION={partition!r}: needs {stages} counts summing to {num_layers} layers"
+            )
+    else:
+        if stages > num_layers:
+            raise ValueError(f"{stages} pipeline stages but the model has {num_layers} decoder layers")
+        counts = [num_layers // stages] * stages
+        for i in range(2, num_layers % stages + 2):
+            counts[-i] += 1
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return [(s, s + c) for s, c in zip(starts, counts)]

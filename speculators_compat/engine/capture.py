@@ -113,6 +113,7 @@ class _CaptureState:
     fault: Any = None  # a test's injected fault (faults.Fault), None in use
     fp8: bool = False  # store e4m3 rows and per-token float32 scales (module docstring)
     pending: dict = field(default_factory=dict)  # fp8: layer id -> this step's unquantized kept rows
+    stage: int = 0  # this worker's pipeline stage
 
     @property
     def store_dtype(self):
@@ -174,34 +175,46 @@ def install_capture(
         info["moe_local_experts"] = local
     kind = runner_kind(runner)
     info["runner_kind"] = kind
-    capture_rank = _is_capture_rank()
-    # the self-check runs on every rank (its logits are gathered over the TP group)
+    stage = pipeline_stage()
+    first, end = int(getattr(base, "start_layer", 0)), int(getattr(base, "end_layer", n))
+    own = [i for i in layer_ids if first <= i < end]  # the captured layers this stage computes
+    info.update(stage=stage.rank, stages=stage.size, stage_layers=own, layer_range=[first, end])
+    if stage.size > 1 and (record_all or fp8):
+        raise ValueError(
+            "pipeline parallelism: each stage captures its own layers, so per-step FP8 scales over "
+            "every layer and upstream's record-everything contract cannot be kept by one worker"
+        )
+    _ensure_stage_buffer(runner, model, stage)
+    # TP rank 0 of each stage that computes a captured layer, or the final layer (the self-check)
+    capture_rank = stage.tp_rank == 0 and (bool(own) or stage.is_last)
+    # the self-check runs on every rank of the last stage (its logits are gathered over the TP group)
     w = witness.install_witness(worker, model, base, capture_rank) if not record_all else "record-all contract"
     worker._compat_witness = w
     info["self_check"] = True if isinstance(w, witness.Witness) else w
     if not capture_rank:
         return info
-    st = _CaptureState(layer_ids=list(layer_ids), record_all=record_all, runner_kind=kind, fp8=fp8)
+    shared = handoff_prefix is not None and shares_driver_shm(handoff_prefix)
+    prefix = None if not shared else handoff_prefix + (f"s{stage.rank}-" if stage.size > 1 else "")
+    st = _CaptureState(layer_ids=own, record_all=record_all, runner_kind=kind, fp8=fp8, stage=stage.rank)
     mc = getattr(runner, "model_config", None)
     if mc is not None:
         st.hidden, st.dtype = int(mc.get_hidden_size()), mc.dtype
     on_gpu = next(model.parameters()).device.type == "cuda"
-    st.arena = Arena(handoff_prefix, pin=on_gpu)
+    st.arena = Arena(prefix, pin=on_gpu)
     worker._compat_capture = st
     _wrap_runner(runner, st)
     # vLLM's @support_torch_compile replaces the decoder stack's __call__, so hooks on the stack
     # itself never fire; its layers are plain modules. The first layer's pre-hook reads the step
     # layout; once the last captured layer ran, the rows are split by request.
-    first = getattr(base, "start_layer", 0)
     st.handles.append(base.layers[first].register_forward_pre_hook(_make_pre_forward(runner, st), with_kwargs=True))
     distribute = _make_distribute(st)
-    for lid in sorted(set(layer_ids)):
+    for lid in sorted(set(own)):
         st.handles.append(base.layers[lid].register_forward_hook(_make_layer_hook(st, lid, distribute)))
     # the self-check's rows: the arena's when it holds the final layer unquantized, else its own hook's
-    if isinstance(w, witness.Witness) and (w.last not in layer_ids or fp8):  # (runs after the captured layers')
+    if isinstance(w, witness.Witness) and (w.last not in own or fp8):  # (runs after the captured layers')
         st.handles.append(base.layers[w.last].register_forward_hook(witness.make_last_row_hook(st, w)))
-    info["capturing"] = True
-    info["handoff"] = "shm" if handoff_prefix else "rpc"
+    info["capturing"] = bool(own)
+    info["handoff"] = "shm" if prefix else "rpc"
     info["states_dtype"] = "fp8" if fp8 else "auto"
     return info
 
@@ -349,6 +362,9 @@ def _take(st, req_ids, want_data):
         if plen is None:
             errors[rid] = "request was never announced to the worker"
             continue
+        if not st.layer_ids:  # a last pipeline stage that computes no captured layer (the self-check's)
+            states[rid] = []
+            continue
         problem = coverage_problem([(s.start, s.layers[0][2]) for s in segs], plen)
         if problem is not None:
             errors[rid] = problem + " (prefix-cache hit, aborted request or lost step?)"
@@ -386,6 +402,8 @@ def _take(st, req_ids, want_data):
         "hidden": st.hidden,
         "dtype": str(st.store_dtype).replace("torch.", ""),
         "fp8": st.fp8,
+        "layer_ids": st.layer_ids,
+        "stage": st.stage,
     }
 
 
@@ -575,9 +593,51 @@ def _first_ptr(output: Any) -> int:
     return t.data_ptr() if isinstance(t, torch.Tensor) else -1
 
 
-def _is_capture_rank() -> bool:
+@dataclass(frozen=True)
+class Stage:
+    """Where this worker sits: its pipeline stage (rank, size) and its rank in the stage's TP group."""
+
+    rank: int = 0
+    size: int = 1
+    tp_rank: int = 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+
+def pipeline_stage() -> Stage:
     try:
         from vllm.distributed import get_pp_group, get_tp_group
     except ImportError:  # pragma: no cover - only outside vLLM
-        return True
-    return get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank
+        return Stage()
+    pp = get_pp_group()
+    return Stage(pp.rank_in_group, pp.world_size, get_tp_group().rank_in_group)
+
+
+def _ensure_stage_buffer(runner, model, stage: Stage) -> None:
+    """A stage after the first receives the previous stage's hidden states into the V1 runner's
+    ``intermediate_tensors`` buffer, which the runner makes in its warm-up forward. vLLM's CPU worker
+    skips that forward when the model runs eagerly with a set KV-cache size (our engine runs eagerly),
+    and the first step then fails (``assert self.intermediate_tensors is not None``, vLLM 0.32 CPU):
+    make the buffer as the warm-up would (``install_capture`` runs on every worker)."""
+    if stage.rank == 0 or getattr(runner, "intermediate_tensors", 0) is not None:
+        return
+    make = getattr(model, "make_empty_intermediate_tensors", None)
+    if callable(make):
+        runner.intermediate_tensors = make(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+        )
+
+
+def shares_driver_shm(prefix: str) -> bool:
+    """Does this worker see the driver's /dev/shm? The driver holds ``<prefix>lock`` there for the
+    engine's life; a worker on another host (or in a container with a /dev/shm of its own) does not
+    see it, and its rows travel back over vLLM's RPC instead. ``SPECULATORS_COMPAT_HANDOFF=rpc`` in
+    a worker's environment (a node's) sends that worker's rows over RPC whatever it sees."""
+    import os
+
+    from .. import envs
+    from .handoff import LOCK_SUFFIX
+
+    return envs.get("SPECULATORS_COMPAT_HANDOFF") != "rpc" and os.path.exists(prefix + LOCK_SUFFIX)

@@ -34,6 +34,16 @@ class EngineOptions:
     max_model_len: int = 2048
     gpu_memory_utilization: float = 0.8
     tensor_parallel_size: int = 1
+    #: pipeline stages; each stage's first TP rank captures the layers it computes (capture.py)
+    pipeline_parallel_size: int = 1
+    #: "mp" (worker processes; vLLM 0.32+ also across nodes) or "ray" (vLLM's Ray executor: nodes of a Ray cluster)
+    distributed_executor_backend: str = "mp"
+    #: hosts one engine's workers span with the multiprocessing executor (vLLM 0.32+): this host's
+    #: rank among them (0: the driver's) and where rank 0 listens (node.py runs the other hosts)
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
     dtype: str = "auto"
     quantization: str | None = None
     trust_remote_code: bool = False
@@ -55,6 +65,7 @@ class EngineOptions:
 
 
 STATES_DTYPES = ("auto", "fp8")
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 def check_states_dtype(name) -> str:
@@ -67,13 +78,12 @@ def check_sizes(opts: EngineOptions) -> None:
     """Refuse sizes vLLM would take silently or only fail on later: ``max_num_seqs=0`` and
     ``max_num_batched_tokens=0`` ran as if unset (vLLM 0.32), and ``max_model_len=1`` started the
     engine only for every prompt to be cut to nothing (one position is kept back, as upstream does)."""
-
-    def bad(v, least: int) -> bool:
-        return isinstance(v, bool) or not isinstance(v, int) or v < least
-
+    bad = bad_int
     check_states_dtype(opts.states_dtype)
-    if bad(opts.tensor_parallel_size, 1):
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, not {opts.tensor_parallel_size!r}")
+    check_nodes(opts)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if bad(getattr(opts, name), 1):
+            raise ValueError(f"{name} must be an integer >= 1, not {getattr(opts, name)!r}")
     if opts.max_model_len is not None and bad(opts.max_model_len, 2):
         raise ValueError(
             f"max_model_len must be an integer >= 2 (prompts keep at most max_model_len - 1 "
@@ -87,12 +97,12 @@ def check_sizes(opts: EngineOptions) -> None:
 
 def build_vllm_config(opts: EngineOptions):
     """A VllmConfig for extraction, from vLLM's own EngineArgs (stable in every version)."""
+    check_sizes(opts)  # (before vLLM is imported)
     _pin_v1_runner()
     from vllm.engine.arg_utils import EngineArgs
 
     from . import facts as facts_mod
 
-    check_sizes(opts)
     strategy = resolve_async(opts.async_scheduling)
     kw: dict[str, Any] = dict(
         model=opts.model,
@@ -102,16 +112,18 @@ def build_vllm_config(opts: EngineOptions):
         max_model_len=opts.max_model_len,
         enforce_eager=opts.enforce_eager,
         tensor_parallel_size=opts.tensor_parallel_size,
+        pipeline_parallel_size=opts.pipeline_parallel_size,
         gpu_memory_utilization=opts.gpu_memory_utilization,
         worker_extension_cls=WORKER_EXTENSION,
         # Worker processes (as upstream's MultiprocExecutor): the same path for TP=1 and TP>1, and
         # a worker crash cannot take the driver down. (0.12-0.17 would pick in-process "uni".)
-        distributed_executor_backend="mp",
+        distributed_executor_backend=opts.distributed_executor_backend,
         # A prefix-cache hit skips computing the cached positions: they would never be captured.
         enable_prefix_caching=False,
         seed=opts.seed,
         enable_expert_parallel=opts.enable_expert_parallel,
     )
+    kw.update(_multi_node_args(opts))
     if opts.quantization:
         kw["quantization"] = opts.quantization
     if opts.max_num_batched_tokens:
@@ -125,17 +137,48 @@ def build_vllm_config(opts: EngineOptions):
         # vision tower unbuilt and unprofiled (vLLM 0.17+; a no-op for text models).
         kw["language_model_only"] = True
     kw.update(opts.engine_kwargs)
-    if kw.get("pipeline_parallel_size", 1) != 1:
-        raise ValueError(
-            "pipeline parallelism is not supported for capture (layers would be split "
-            "across ranks); use tensor parallelism"
-        )
     if kw.get("enable_prefix_caching"):
         raise ValueError(
             "enable_prefix_caching=True would skip computing cached prefixes, whose "
             "hidden states then could not be captured"
         )
     return EngineArgs(**kw).create_engine_config()
+
+
+def _multi_node_args(opts: EngineOptions) -> dict:
+    """vLLM's multi-node settings of the multiprocessing executor, where more than one host is asked
+    for; refused by name on a vLLM whose EngineArgs has none (before 0.32) or with Ray (which places
+    the workers on its cluster's nodes itself)."""
+    if opts.nnodes == 1:
+        return {}
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "nnodes" not in getattr(EngineArgs, "__dataclass_fields__", {}):
+        raise ValueError("this vLLM's multiprocessing executor runs on one host only (nnodes: vLLM 0.32+); use Ray")
+    kw = dict(nnodes=opts.nnodes, node_rank=opts.node_rank, master_addr=opts.master_addr)
+    if opts.master_port:
+        kw["master_port"] = opts.master_port
+    return kw
+
+
+def check_nodes(opts: EngineOptions) -> None:
+    """The multi-host settings, before vLLM starts (``_multi_node_args``)."""
+    if opts.distributed_executor_backend not in EXECUTOR_BACKENDS:
+        raise ValueError(
+            f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, not {opts.distributed_executor_backend!r}"
+        )
+    if opts.nnodes == 1 and opts.node_rank == 0:
+        return
+    if bad_int(opts.nnodes, 1) or bad_int(opts.node_rank, 0) or opts.node_rank >= opts.nnodes:
+        raise ValueError(f"node_rank must be in 0..nnodes-1 and nnodes >= 1, not {opts.node_rank!r} of {opts.nnodes!r}")
+    if opts.distributed_executor_backend != "mp":
+        raise ValueError("nnodes/node_rank are the multiprocessing executor's; Ray places workers on its nodes itself")
+    if not opts.master_addr:
+        raise ValueError("a run over several hosts needs master_addr: the address of node rank 0 (the driver's host)")
+
+
+def bad_int(v, least: int) -> bool:
+    return isinstance(v, bool) or not isinstance(v, int) or v < least
 
 
 def _pin_v1_runner() -> None:

@@ -33,9 +33,11 @@ from .. import envs
 from ..errors import CaptureError, StallError, TokenIdError, WorkerDiedError
 from ..host import cuda_device_count
 from .config import EngineOptions, build_vllm_config, check_states_dtype, choose_start_method
-from .fp8 import Fp8States
+from .fp8 import Fp8States, quantize_rows
 from .handoff import ArenaReader, handoff_prefix, hold_handoff_lock
 from .selfcheck import LOGPROBS, SelfCheckStats, first_logprobs, judge
+from .stages import StageMap
+from .stages import merge as merge_stages
 
 #: how long a failed batch waits for a dead worker to show (vLLM's monitor, or the process's exit)
 WORKER_DEATH_WAIT_S = 2.0
@@ -124,19 +126,7 @@ class ExtractionEngine:
         self._announce_ahead = self._can_announce_ahead
         probe = self._rpc_rank0_raw("compat_ping")
         self._rpc_unwrap = isinstance(probe, list)
-        self.states_dtype = check_states_dtype(opts.states_dtype)  # (checked with the config, before vLLM)
-        infos = self.executor.collective_rpc(
-            "compat_capture_setup", args=(self.layer_ids, self._handoff_prefix, self.states_dtype == "fp8")
-        )
-        self.model_info = infos[0]
-        if not any(i.get("capturing") for i in infos):
-            raise RuntimeError("speculators_compat: no worker rank captures hidden states")
-        # every request's sampled token against the logits of its captured state (selfcheck.py)
-        want = opts.self_check if opts.self_check is not None else envs.enabled("SPECULATORS_COMPAT_SELF_CHECK")
-        why_not = next((i["self_check"] for i in infos if i.get("self_check") is not True), None)
-        if want and why_not is not None:
-            logger.warning("speculators_compat: the self-check cannot run with this model: %s", why_not)
-        self._self_check_possible = why_not is None
+        want = self._setup_capture(opts)
         self.self_check_stats = SelfCheckStats()
         self._self_check = True  # (what the workers start with)
         self.self_check = bool(want)
@@ -151,6 +141,32 @@ class ExtractionEngine:
         logger.info(
             "engine ready in %.1fs (%s, layers %s)", self.startup_seconds, self.model_info.get("model"), self.layer_ids
         )
+
+    def _setup_capture(self, opts: EngineOptions) -> bool:
+        """Install the capture in every worker; learn which stage captures which layers and
+        whether the self-check can run. Returns whether it was asked for."""
+        self.states_dtype = check_states_dtype(opts.states_dtype)  # (checked with the config, before vLLM)
+        # A token's FP8 scale spans every captured layer: one worker can compute it only when one
+        # stage computes them all; across pipeline stages the driver quantizes (same arithmetic).
+        pp = int(self.vllm_config.parallel_config.pipeline_parallel_size)
+        self._quantize_here = self.states_dtype == "fp8" and pp > 1
+        fp8_in_worker = self.states_dtype == "fp8" and not self._quantize_here
+        infos = self.executor.collective_rpc(
+            "compat_capture_setup", args=(self.layer_ids, self._handoff_prefix, fp8_in_worker)
+        )
+        self.model_info = infos[0]
+        if not any(i.get("capturing") for i in infos):
+            raise RuntimeError("speculators_compat: no worker rank captures hidden states")
+        self.stages = StageMap.from_infos(infos, self.layer_ids)
+        self.model_info["stages"] = self.stages.describe()
+        # every request's sampled token against the logits of its captured state (selfcheck.py);
+        # None: a stage before the last, which takes no part in it
+        want = opts.self_check if opts.self_check is not None else envs.enabled("SPECULATORS_COMPAT_SELF_CHECK")
+        why_not = next((i["self_check"] for i in infos if i.get("self_check") not in (True, None)), None)
+        if want and why_not is not None:
+            logger.warning("speculators_compat: the self-check cannot run with this model: %s", why_not)
+        self._self_check_possible = why_not is None
+        return bool(want)
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -230,8 +246,7 @@ class ExtractionEngine:
                 ahead.result()  # a worker that failed to take the batch (no room for it) raises here
             t1 = time.perf_counter()
             probe = [list(sampled[r][1]) if r in sampled and sampled[r][1] else [] for r in ids] if check else None
-            taken = self._rpc_rank0("compat_capture_take", ids, True, check, probe)
-            taken["states"] = self._copy_out(taken)
+            taken = self.take_batch(ids, check, probe)
             self.timings["drive_s"] += t1 - t0
             self.timings["handoff_s"] += time.perf_counter() - t1
         except BaseException as e:
@@ -262,16 +277,35 @@ class ExtractionEngine:
                     f"self-check: {len(failed)} of {len(ids)} prompts' states do not give the token vLLM "
                     "sampled for them: " + "; ".join(failed[:5])
                 )
+        return [self.result_of(taken, r) for r in ids]
+
+    def take_batch(self, ids: list, check: bool, probe) -> dict:
+        """The batch's rows from the capturing workers (each stage's under pipeline parallelism),
+        errors and the self-check's verdict; ``states`` as tensors of their own or lent."""
+        if self.stages.single:
+            taken = self._rpc_rank0("compat_capture_take", ids, True, check, probe)
+        else:
+            replies = self.executor.collective_rpc("compat_capture_take", args=(ids, True, check, probe))
+            taken = merge_stages(replies, self.layer_ids, ids)
+        taken["states"] = self._copy_out(taken)
+        return taken
+
+    def result_of(self, taken: dict, rid: str):
+        """A request's result: its layers, or ``Fp8States`` with FP8 states."""
+        layers = taken["states"][rid]
         if taken.get("fp8"):  # the last entry of each is its per-token scales
-            return [Fp8States(s[:-1], s[-1]) for s in (taken["states"][r] for r in ids)]
-        return [taken["states"][r] for r in ids]
+            return Fp8States(layers[:-1], layers[-1])
+        if self._quantize_here:
+            q, scales = quantize_rows(layers)
+            return Fp8States(q, scales[:, None])
+        return layers
 
     def _copy_out(self, taken: dict) -> dict:
         """Per request, per layer tensors of their own (from the arena blocks, or as pickled)."""
         import torch
 
         states = taken["states"]
-        if self._handoff_prefix is None:
+        if self._handoff_prefix is None or "dtype" not in taken:
             return states
         dtype = getattr(torch, taken["dtype"])
         shapes = [(taken["hidden"], dtype)] * len(self.layer_ids) + [(1, torch.float32)] if taken.get("fp8") else None
@@ -391,6 +425,11 @@ class ExtractionEngine:
         self._closed = True
         if getattr(self, "_reader", None) is not None:
             self._reader.close()
+        if getattr(self.vllm_config.parallel_config, "nnodes", 1) > 1 and not self._worker_failed:
+            try:  # the other hosts' workers end themselves (the executor ends only this host's)
+                self.executor.collective_rpc("compat_release_node", timeout=30)
+            except Exception as e:
+                logger.warning("could not release the other hosts' workers: %s", e)
         try:
             self.core.shutdown()
         except Exception as e:

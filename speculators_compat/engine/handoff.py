@@ -245,8 +245,12 @@ class ArenaReader:
         return torch.from_numpy(buf).view(dtype).view(rows, hidden)
 
     def assemble(self, blocks, hidden: int, dtype):
+        """An entry's rows: its arena blocks [(file, byte offset, rows)] lent or copied into a
+        tensor; a tensor (rows a worker without the driver's /dev/shm sent over RPC) as it is."""
         import torch
 
+        if isinstance(blocks, torch.Tensor):
+            return blocks
         if self.lend and len(blocks) == 1:
             return self._lend_block(*blocks[0], hidden, dtype)
         es = dtype.itemsize
@@ -259,14 +263,16 @@ class ArenaReader:
         ``hidden`` wide in ``dtype``, unless ``shapes`` gives each its own (row width, dtype)."""
         for layers in states.values():  # map every file here, so the worker threads only read
             for blocks in layers:
-                for p, _, _ in blocks:
+                for p, _, _ in blocks if isinstance(blocks, list) else ():
                     self._map(p)
 
         def one(layers):
             kinds = shapes or [(hidden, dtype)] * len(layers)
             return [self.assemble(b, w, dt) for b, (w, dt) in zip(layers, kinds)]
 
-        copies = sum(1 for layers in states.values() for b in layers if not (self.lend and len(b) == 1))
+        copies = sum(
+            1 for layers in states.values() for b in layers if isinstance(b, list) and not (self.lend and len(b) == 1)
+        )
         if self.threads == 1 or copies < 2:
             return {r: one(layers) for r, layers in states.items()}
         if self._pool is None:

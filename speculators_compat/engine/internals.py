@@ -136,4 +136,25 @@ INTERNALS = [
         "Kimi-width INT4 Kimi-K2.5 on 0.20 H200",
         "low: a text model ignores it; without it a VLM whose processor needs real media files fails to profile",
     ),
+    (
+        "vllm.distributed.get_pp_group() (rank_in_group, world_size, is_last_rank); decoder stack start_layer/end_layer",
+        "pipeline parallelism: each stage's TP rank 0 captures the layers its stage computes; the last stage's "
+        "ranks run the self-check",
+        "0.32 (tests/engine/test_pipeline_parallel.py)",
+        "low: vLLM's own PP split; the engine reports the split it got (model_info['stages'])",
+    ),
+    (
+        "GPUModelRunner.intermediate_tensors / max_num_tokens; model.make_empty_intermediate_tensors(...)",
+        "a later stage's receive buffer, made at capture set-up as the V1 runner's warm-up would: vLLM's CPU "
+        "worker skips that warm-up for an eager model with a set KV-cache size and its first PP step failed",
+        "0.32 CPU (assert self.intermediate_tensors is not None without it)",
+        "medium: only made where the runner has the attribute and it is None",
+    ),
+    (
+        "EngineArgs nnodes / node_rank / master_addr / master_port; MultiprocExecutor(vllm_config, "
+        "monitor_workers=False) and its .workers[].proc",
+        "one engine over several hosts (engine/node.py: `speculators-compat node` runs a host's workers)",
+        "0.32 (refused by name where EngineArgs has no nnodes)",
+        "medium: vLLM's multi-node mode of the multiprocessing executor",
+    ),
 ]

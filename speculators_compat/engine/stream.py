@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CaptureError
-from .fp8 import Fp8States
 from .selfcheck import first_logprobs, judge
 
 logger = logging.getLogger("speculators_compat.engine")
@@ -33,7 +32,7 @@ IDLE_WAIT_S = 0.05  # how long an idle loop waits for a prompt before looking ag
 
 @dataclass
 class Captured:
-    """One prompt's result: its states (a tensor per layer, or Fp8States) and the token sampled."""
+    """One prompt's result: its states (a tensor per layer, or fp8.Fp8States) and the token sampled."""
 
     states: Any
     token: int
@@ -154,8 +153,7 @@ class StreamingLoop:
         eng = self.engine
         check = eng.self_check
         probe = [list(self._pending[r].sampled[1]) for r in done] if check else None
-        taken = eng._rpc_rank0("compat_capture_take", done, True, check, probe)
-        states = eng._copy_out(taken)
+        taken = eng.take_batch(done, check, probe)
         sampled = {r: self._pending[r].sampled for r in done}
         for i, rid in enumerate(done):
             p = self._pending.pop(rid)
@@ -165,9 +163,8 @@ class StreamingLoop:
             if err is not None:
                 p.future.set_exception(CaptureError(err))
                 continue
-            s = states[rid]
             self.served += 1
-            p.future.set_result(Captured(Fp8States(s[:-1], s[-1]) if taken.get("fp8") else s, p.sampled[0]))
+            p.future.set_result(Captured(eng.result_of(taken, rid), p.sampled[0]))
 
     def _fail_all(self, e: BaseException) -> None:
         for p in self._pending.values():

@@ -46,18 +46,19 @@ class Witness:
 
 
 def install_witness(worker, model, base, capture: bool):
-    """A Witness for this worker, or a string saying why the check cannot run here."""
-    norm = getattr(base, "norm", None)
-    if not isinstance(norm, torch.nn.Module) or not callable(getattr(model, "compute_logits", None)):
-        return f"no final norm (`{type(base).__name__}.norm`) or compute_logits on {type(model).__name__}"
+    """A Witness for this worker, a string saying why the check cannot run here, or None on a
+    pipeline stage before the last (the final norm and lm_head live on the last stage: it checks)."""
     try:
         from vllm.distributed import get_pp_group, get_tp_group
     except ImportError:  # pragma: no cover - only outside vLLM
-        tp, pp_size = None, 1
+        tp, last_stage = None, True
     else:
-        tp, pp_size = get_tp_group(), get_pp_group().world_size
-    if pp_size > 1:
-        return "pipeline parallelism: the final norm and lm_head live on the last stage only"
+        tp, last_stage = get_tp_group(), get_pp_group().is_last_rank
+    if not last_stage:
+        return None
+    norm = getattr(base, "norm", None)
+    if not isinstance(norm, torch.nn.Module) or not callable(getattr(model, "compute_logits", None)):
+        return f"no final norm (`{type(base).__name__}.norm`) or compute_logits on {type(model).__name__}"
     p = next(norm.parameters(), None)
     if p is None:
         p = next(model.parameters())

@@ -112,6 +112,19 @@ class CaptureExtension:
             taken["self_check"] = verdict
         return taken
 
+    def compat_release_node(self) -> bool:
+        """The driver's engine is shutting down: a worker on another host than the driver's (node
+        rank >= 1, node.py) exits once this reply is sent, so that host's ``node`` command ends too
+        (the driver's executor ends only the workers on its own host)."""
+        pc = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        if pc is None or int(getattr(pc, "node_rank", 0) or 0) == 0:
+            return False
+        import os
+        import threading
+
+        threading.Timer(0.5, os._exit, args=(0,)).start()
+        return True
+
     def compat_self_check(self, on: bool) -> None:
         """The driver's self-check setting: off, the final layer's hook keeps no rows."""
         w = getattr(self, "_compat_witness", None)

@@ -30,9 +30,21 @@ def _init(
     gpu_memory_utilization=0.8,
     tensor_parallel_size=1,
     max_num_batched_tokens=None,
+    *,
+    pipeline_parallel_size=1,
+    distributed_executor_backend="mp",
 ):
+    """Upstream's signature, and ours as in speculators_generator._init."""
     start_engine(
-        self, model_path, layer_ids, max_model_len, gpu_memory_utilization, tensor_parallel_size, max_num_batched_tokens
+        self,
+        model_path,
+        layer_ids,
+        max_model_len,
+        gpu_memory_utilization,
+        tensor_parallel_size,
+        max_num_batched_tokens,
+        pipeline_parallel_size=pipeline_parallel_size,
+        distributed_executor_backend=distributed_executor_backend,
     )
 
 

@@ -25,8 +25,23 @@ from ..registry import Patch
 logger = logging.getLogger("speculators_compat")
 
 
-def _init(self, model_path, layer_ids=None, max_model_len=2048, gpu_memory_utilization=0.8, tensor_parallel_size=1):
-    start_engine(self, model_path, layer_ids, max_model_len, gpu_memory_utilization, tensor_parallel_size)
+def _init(
+    self,
+    model_path,
+    layer_ids=None,
+    max_model_len=2048,
+    gpu_memory_utilization=0.8,
+    tensor_parallel_size=1,
+    *,
+    pipeline_parallel_size=1,
+    distributed_executor_backend="mp",
+):
+    """Upstream's signature; ``pipeline_parallel_size`` and ``distributed_executor_backend`` (``"ray"``
+    across nodes) are ours: each pipeline stage captures the layers it computes."""
+    parallel = dict(
+        pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend
+    )
+    start_engine(self, model_path, layer_ids, max_model_len, gpu_memory_utilization, tensor_parallel_size, **parallel)
 
 
 def start_engine(
@@ -37,6 +52,7 @@ def start_engine(
     gpu_memory_utilization,
     tensor_parallel_size,
     max_num_batched_tokens=None,
+    **parallel,
 ):
     """Upstream's constructor (attributes, layer validation and its messages) over our engine."""
     from transformers import AutoTokenizer
@@ -54,7 +70,7 @@ def start_engine(
         if layer_id < 0 or layer_id >= num_layers:
             raise ValueError(f"Layer index {layer_id} out of bounds [0, {num_layers - 1}]")
     opts = upstream_options(
-        model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size, max_num_batched_tokens
+        model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size, max_num_batched_tokens, **parallel
     )
     self._compat_capture_ids = sorted(set(self.layer_ids))
     self._compat_engine = ExtractionEngine(opts, self._compat_capture_ids)
@@ -64,9 +80,10 @@ def start_engine(
 
 
 def upstream_options(
-    model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size, max_num_batched_tokens=None
+    model_path, max_model_len, gpu_memory_utilization, tensor_parallel_size, max_num_batched_tokens=None, **parallel
 ):
-    """Upstream's engine settings (0.4.x lets the caller set ``max_num_batched_tokens``)."""
+    """Upstream's engine settings (0.4.x lets the caller set ``max_num_batched_tokens``); ``parallel``:
+    ``pipeline_parallel_size`` / ``distributed_executor_backend``, ours."""
     from ..engine.config import UPSTREAM_MAX_NUM_SEQS, UPSTREAM_MIN_BATCHED_TOKENS, EngineOptions
 
     return EngineOptions(
@@ -79,6 +96,7 @@ def upstream_options(
         tensor_parallel_size=tensor_parallel_size,
         max_num_seqs=UPSTREAM_MAX_NUM_SEQS,
         max_num_batched_tokens=max_num_batched_tokens or max(UPSTREAM_MIN_BATCHED_TOKENS, max_model_len),
+        **parallel,
     )
 
 

@@ -73,7 +73,7 @@ def run_extract(
     part = resolve_part(rank, world_size)
     unit = partition_unit(opts.batch_size, opts.shard_size) if part.sharded else opts.batch_size
     if part.local_size:  # (several shards on this host from one launcher: each its own GPUs)
-        pick_local_devices(part, opts.tensor_parallel_size)
+        pick_local_devices(part, opts.devices_per_engine)
     if part.source.endswith("(torchrun)"):
         forget_launcher_env()
     out = OutputDir(Layout.of(output, opts.fmt).states, opts.fmt, opts.checksum, opts.shard_size, part, unit)
@@ -212,7 +212,9 @@ class _Extraction:
 
         opts, gen = self.opts, self.generator
         self.gpu_host = cuda_device_count() > 0
-        self.tp = gen.vllm_config.parallel_config.tensor_parallel_size if gen is not None else opts.tensor_parallel_size
+        # the engine's workers on this host's devices (tensor x pipeline parallel)
+        pc = gen.vllm_config.parallel_config if gen is not None else None
+        self.tp = pc.tensor_parallel_size * pc.pipeline_parallel_size if pc is not None else opts.devices_per_engine
         if self.to_compute and writer_mode(opts, gen, self.gpu_host) == "process":
             from .writers.processes import writer_pool
 

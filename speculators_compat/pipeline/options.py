@@ -11,13 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..engine.config import STATES_DTYPES, check_states_dtype
+from ..engine.config import EXECUTOR_BACKENDS, STATES_DTYPES, check_states_dtype
 from .output.checksums import CHECKSUMS, check_checksum
 
 #: settings of the engine itself (the generator's keyword arguments), as the CLI names them
 ENGINE_ARGS = (
     "max_model_len",
     "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "distributed_executor_backend",
     "dtype",
     "quantization",
     "trust_remote_code",
@@ -27,6 +29,9 @@ ENGINE_ARGS = (
     "enable_expert_parallel",
     "async_scheduling",
     "states_dtype",
+    "nnodes",
+    "master_addr",
+    "master_port",
 )
 WRITER_MODES = ("auto", "thread", "process")
 #: ExtractOptions fields whose flag says the opposite, or is named otherwise
@@ -84,6 +89,11 @@ class ExtractOptions:
     @property
     def tensor_parallel_size(self) -> int:
         return self.engine.get("tensor_parallel_size") or 1
+
+    @property
+    def devices_per_engine(self) -> int:
+        """GPUs (or CPU core groups) one engine's workers take: tensor x pipeline parallel size."""
+        return self.tensor_parallel_size * (self.engine.get("pipeline_parallel_size") or 1)
 
     @property
     def states_dtype(self) -> str:
@@ -179,6 +189,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "speculators-hs, else upstream",
     )
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="pipeline stages (vLLM's); each stage captures the layers it computes (docs/multi-node.md)",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=EXECUTOR_BACKENDS,
+        default="mp",
+        help="mp: worker processes on this host; ray: vLLM's Ray executor, workers on the nodes of "
+        "the Ray cluster RAY_ADDRESS names (docs/multi-node.md)",
+    )
+    add_node_args(p)
     p.add_argument("--max-model-len", type=_int_at_least(2), default=2048)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None)
@@ -199,6 +223,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "device as speculators' hs-connectors fp8 backend does (half the bytes of bf16; "
         "docs/storage.md)",
     )
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    """One engine over several hosts with vLLM's multiprocessing executor (vLLM 0.32+): this host is
+    node rank 0, the driver; the others run ``speculators-compat node`` with the same flags."""
+    g = p.add_argument_group("one engine over several hosts (docs/multi-node.md)")
+    g.add_argument("--nnodes", type=_positive_int, default=1, help="hosts the engine's workers span")
+    g.add_argument("--master-addr", default=None, help="this host's address, as the other hosts reach it")
+    g.add_argument("--master-port", type=_positive_int, default=None, help="(default: vLLM's)")
 
 
 def add_extract_args(p: argparse.ArgumentParser) -> None:

@@ -57,6 +57,9 @@ class Plan:
     parts: int = 1
     states_dtype: str = "auto"
     by_states_dtype: dict = field(default_factory=dict)  # per --states-dtype: bytes per token, disk
+    pipeline_parallel_size: int = 1
+    # per pipeline stage: its layers, the captured ones, weights / KV / capture bytes per GPU
+    stages: list = field(default_factory=list)
 
 
 def _text_cfg(cfg: dict) -> dict:
@@ -169,6 +172,70 @@ def _weight_bytes(info: dict, qbits: int, dtype_bytes: int, tp: int) -> tuple[in
     return total, quant, wbytes_total, wbytes_gpu
 
 
+def _group_layers(name: str, n: int, dense: int) -> tuple[int, int] | str:
+    """Which decoder layers a parameter group of ``count_params`` spreads over, or where it sits
+    whole: "first" (embeddings, the vision tower: stage 0), "last" (lm_head: the last stage)."""
+    if name in ("embed_tokens",) or name.startswith("vision tower"):
+        return "first"
+    if name == "lm_head":
+        return "last"
+    if name.startswith("dense MLP"):
+        return (0, dense)
+    if name in ("routed experts", "shared experts", "routers"):
+        return (dense, n)
+    return (0, n)
+
+
+def stage_figures(
+    info: dict, t: dict, ids: list, tp: int, pp: int, dtype_bytes: int, qbits: float, mnbt: int
+) -> list[dict]:
+    """Per pipeline stage (layers as vLLM splits them: layers.stage_ranges): the captured layers it
+    computes, its weights per GPU (its layers' share of each group; embeddings on the first stage,
+    lm_head on the last), its KV-cache bytes per token per GPU and its capture buffer per step."""
+    from ..layers import stage_ranges
+
+    n = info["layers"]
+    dense = t.get("first_k_dense_replace", 0) if (t.get("n_routed_experts") or t.get("num_experts")) else 0
+    kv_all = _kv_bytes_per_token(t, info, tp, dtype_bytes)
+    out = []
+    for s, (a, b) in enumerate(stage_ranges(n, pp)):
+        wbytes = 0.0
+        for name, count, sharded, routed in info["groups"]:
+            where = _group_layers(name, n, dense)
+            if isinstance(where, str):
+                share = 1.0 if (where == "first" and s == 0) or (where == "last" and s == pp - 1) else 0.0
+            else:
+                lo, hi = where
+                share = max(0, min(b, hi) - max(a, lo)) / max(1, hi - lo)
+            per = count * share * (qbits / 8.0 if qbits and routed else dtype_bytes)
+            wbytes += per / tp if sharded else per
+        own = [i for i in ids if a <= i < b]
+        out.append(
+            {
+                "stage": s,
+                "layers": [a, b],
+                "captures": own,
+                "weight_bytes_per_gpu": int(wbytes),
+                "kv_bytes_per_token_per_gpu": int(kv_all * (b - a) / n),
+                "capture_bytes_per_step": mnbt * len(own) * info["hidden"] * dtype_bytes,
+            }
+        )
+    return out
+
+
+def _fit_stages(stages: list, room: float) -> tuple[int, int, int, int]:
+    """Each stage's KV cache per GPU from ``room`` (usable memory less activations); then the
+    figures of the stage with the fewest KV tokens, which bounds the engine: (weight bytes per GPU,
+    KV bytes per token per GPU, KV cache bytes per GPU), and the largest capture buffer."""
+    for st in stages:
+        left = int(room - st["weight_bytes_per_gpu"] - st["capture_bytes_per_step"])
+        st["kv_cache_bytes_per_gpu"] = max(left, 0)
+        st["kv_cache_tokens"] = max(left, 0) // max(st["kv_bytes_per_token_per_gpu"], 1)
+    b = min(stages, key=lambda st: st["kv_cache_tokens"])
+    capture = max(st["capture_bytes_per_step"] for st in stages)
+    return b["weight_bytes_per_gpu"], b["kv_bytes_per_token_per_gpu"], b["kv_cache_bytes_per_gpu"], capture
+
+
 def _kv_bytes_per_token(t: dict, info: dict, tp: int, dtype_bytes: int) -> int:
     """KV-cache bytes per token per GPU."""
     h, n = info["hidden"], info["layers"]
@@ -244,6 +311,7 @@ def make_plan(
     *,
     layer_ids=None,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     max_num_batched_tokens: int | None = None,
     gpu_memory_gib: float | None = None,
     gpu_memory_utilization: float = 0.8,
@@ -274,12 +342,17 @@ def make_plan(
     mnbt = max_num_batched_tokens or max(8192, max_model_len)
     hidden_per_token = state_bytes_per_token(len(ids), h, dtype_bytes, states_dtype)
     capture_step = mnbt * len(ids) * h * dtype_bytes  # (FP8 too: a step is quantized once all its rows are in)
-    if gpu_memory_gib is None:
-        gpu_memory_gib = _detect_gpu_gib() or 141.0
-    gpu_bytes = int(gpu_memory_gib * GiB)
+    gpu_bytes = int((gpu_memory_gib or _detect_gpu_gib() or 141.0) * GiB)
     # activation peak of one prefill step, rough: a few hidden-sized buffers per token plus logits
     activation = mnbt * (8 * h + (t["vocab_size"] // tp)) * 4
     kv_budget = int(gpu_bytes * gpu_memory_utilization - wbytes_gpu - activation - capture_step)
+    stages = (
+        stage_figures(info, t, ids, tp, pipeline_parallel_size, dtype_bytes, qbits, mnbt)
+        if pipeline_parallel_size > 1
+        else []
+    )
+    if stages:  # each stage's GPUs hold its layers: the fullest stage binds
+        wbytes_gpu, kv, kv_budget, capture_step = _fit_stages(stages, gpu_bytes * gpu_memory_utilization - activation)
     notes = _notes(qdesc, mnbt, activation, info, dtype_bytes, kv_budget)
     if total_tokens is None and num_samples and avg_tokens:
         total_tokens = int(num_samples * avg_tokens)
@@ -314,6 +387,8 @@ def make_plan(
         parts=parts,
         states_dtype=states_dtype,
         by_states_dtype=both,
+        pipeline_parallel_size=pipeline_parallel_size,
+        stages=stages,
     )
 
 
@@ -335,7 +410,12 @@ def format_plan(p: Plan) -> str:
         return f"{b / GiB:,.1f} GiB ({b / GB:,.1f} GB)"
 
     lines = [
-        f"plan for {p.model} ({p.architecture}), tensor parallel {p.tensor_parallel_size}",
+        f"plan for {p.model} ({p.architecture}), tensor parallel {p.tensor_parallel_size}"
+        + (
+            f" x pipeline parallel {p.pipeline_parallel_size} ({p.tensor_parallel_size * p.pipeline_parallel_size} GPUs)"
+            if p.stages
+            else ""
+        ),
         f"  layers {p.num_layers}, hidden {p.hidden_size}, capture layer ids {p.layer_ids}",
         f"  parameters: {p.params_total / 1e9:,.1f} B ({p.params_quantized / 1e9:,.1f} B quantized)",
         f"  weights: total {gib(p.weight_bytes_total)}; per GPU {gib(p.weight_bytes_per_gpu)}",
@@ -353,6 +433,7 @@ def format_plan(p: Plan) -> str:
         f"  output disk: {p.disk_bytes_per_token * 1000 / 1e6:,.1f} MB/s for each 1,000 tokens/s extracted "
         f"(the pipeline goes no faster than its output disk writes)",
     ]
+    lines += _stage_lines(p, gib)
     if p.handoff_bytes is not None:
         lines.append(
             f"  host hand-off (/dev/shm on TP rank 0's host, page-locked on a GPU): up to "
@@ -380,6 +461,24 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def _stage_lines(p: Plan, gib) -> list[str]:
+    """One line a pipeline stage: its layers, what it captures, its memory per GPU."""
+    lines = []
+    for st in p.stages:
+        a, b = st["layers"]
+        lines.append(
+            f"  stage {st['stage']}: layers {a}..{b - 1}, captures {st['captures'] or 'none'}; per GPU: weights "
+            f"{gib(st['weight_bytes_per_gpu'])}, KV cache left {gib(st['kv_cache_bytes_per_gpu'])} = "
+            f"{st['kv_cache_tokens']:,} tokens, capture buffers {gib(st['capture_bytes_per_step'])}"
+        )
+    if p.stages:
+        lines.append(
+            "  (vLLM's split of the layers; VLLM_PP_LAYER_PARTITION sets another. Each stage's first GPU "
+            "captures its layers; the last stage runs the self-check. Above: the fullest stage's figures)"
+        )
+    return lines
+
+
 def main_plan(args) -> int:
     total_tokens = num = None
     if getattr(args, "input", None):
@@ -402,6 +501,7 @@ def main_plan(args) -> int:
         args.model,
         layer_ids=args.layer_ids,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_gib=getattr(args, "gpu_memory_gib", None),
         gpu_memory_utilization=args.gpu_memory_utilization,

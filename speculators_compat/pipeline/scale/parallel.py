@@ -137,7 +137,7 @@ def run_data_parallel(
     node = resolve_part(rank, world_size)
     if node.source.endswith("(torchrun)"):
         forget_launcher_env()
-    places = placements(dp, opts.tensor_parallel_size, devices)
+    places = placements(dp, opts.devices_per_engine, devices)
     parts = [node.sub(d, dp) for d in range(dp)]
     job = (model, input_path, output, dataclasses.replace(opts, progress=False))  # (what a process can take)
     ctx = mp.get_context("spawn")

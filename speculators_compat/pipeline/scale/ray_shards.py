@@ -145,7 +145,7 @@ def _run(ray, model, input_path, output, shards, opts: ExtractOptions) -> dict[s
     from ..progress import progress_bar
     from .parallel import merge_summaries
 
-    tp = opts.tensor_parallel_size
+    tp = opts.devices_per_engine  # (tensor x pipeline parallel)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if shards is None:
         shards = max(1, gpus // tp) if gpus else 1

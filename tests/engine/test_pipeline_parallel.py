@@ -1,0 +1,285 @@
+"""Pipeline parallelism on real CPU vLLM (0.32+; one core per worker, float32, tolerance 1e-3): each
+stage's first TP rank captures the layers its stage computes, the last stage runs the self-check,
+and the driver puts every request's rows together in the caller's layer order. Rows against HF per
+request and layer, input order, chunked prefill (64-token steps), reversed and repeated calls; a
+second host through vLLM's multiprocessing executor over nodes, its worker handing rows back over
+RPC; the patched upstream class; ``extract`` at PP=2 byte for byte against PP=1."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.version import Version
+
+from speculators_compat import VllmHiddenStatesGenerator
+from speculators_compat.engine.fp8 import quantize_rows
+from speculators_compat.layers import stage_ranges
+from speculators_compat.testing import models, reference
+from tests.helpers import check_generate
+
+TOL = reference.TOLERANCE["float32"]
+LAYERS = [5, 1, 3]  # unsorted, over both stages of the 6-layer model: results follow this order
+PROMPTS = models.random_prompts([5, 400, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3, 150], seed=41)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _needs_cpu_pp(vllm_version):
+    if vllm_version < Version("0.32"):
+        pytest.skip(f"vLLM {vllm_version}: pipeline parallelism is tested on the newest cell (0.32+)")
+
+
+def _stages(gen) -> list:
+    return [(s["stage"], s["layers"], s["handoff"]) for s in gen.engine.model_info["stages"]]
+
+
+def test_pp2_every_row_against_hf(llama_path, hf_ref, monkeypatch):
+    """PP=2: stage 0 captures layer 1, stage 1 layers 5 and 3 and checks every request's token; as vLLM
+    splits the layers (layers.stage_ranges); every row HF-right in input order over chunked prefill,
+    reversed and repeated calls; a capture shifted on the last stage fails the self-check there."""
+    from speculators_compat.errors import CaptureError
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    with VllmHiddenStatesGenerator(
+        llama_path,
+        layer_ids=LAYERS,
+        max_model_len=1024,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        max_num_batched_tokens=64,
+        self_check=True,
+    ) as g:
+        assert stage_ranges(6, 2) == [(0, 3), (3, 6)]
+        assert _stages(g) == [(0, [1], "shm"), (1, [5, 3], "shm")]
+        check_generate(g, llama_path, PROMPTS, hf_ref, LAYERS, TOL)
+        check_generate(g, llama_path, PROMPTS[::-1], hf_ref, LAYERS, TOL)
+        check_generate(g, llama_path, PROMPTS[:4], hf_ref, LAYERS, TOL)
+        assert g.engine.self_check_stats.as_dict()["checked"] == 2 * len(PROMPTS) + 4
+        g.engine.executor.collective_rpc("compat_inject_fault", args=("swap",))
+        try:
+            with pytest.raises(CaptureError, match="self-check"):
+                g.generate(models.random_prompts([30] * 6, seed=43))
+        finally:
+            g.engine.executor.collective_rpc("compat_inject_fault", args=(None,))
+        check_generate(g, llama_path, PROMPTS[:5], hf_ref, LAYERS, TOL)
+
+
+def test_pp2_fp8_is_the_quantization_of_the_unquantized_states(llama_path, hf_ref, monkeypatch):
+    """FP8 at PP=2: a token's scale spans layers on both stages, so the driver quantizes (fp8.py's
+    arithmetic): bit for bit quantize_rows of the same engine's unquantized states (read back from
+    a PP=2 run without FP8 through the same prompts), within the FP8 bound of HF."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    kw = dict(
+        layer_ids=LAYERS, max_model_len=1024, dtype="float32", pipeline_parallel_size=2, max_num_batched_tokens=64
+    )
+    prompts = PROMPTS[:6]
+    with VllmHiddenStatesGenerator(llama_path, **kw) as g:
+        plain = [r["hidden_states"] for r in g.generate(prompts)]
+    with VllmHiddenStatesGenerator(llama_path, states_dtype="fp8", **kw) as g:
+        res = g.generate(prompts)
+    for r, layers in zip(res, plain):
+        q, scales = quantize_rows(layers)
+        assert torch.equal(r["hidden_states_scales"], scales[:, None])
+        for got, want in zip(r["hidden_states"], q):
+            assert got.dtype == torch.float8_e4m3fn and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.slow
+def test_tp2_pp2_every_row_against_hf(llama_path, hf_ref, monkeypatch):
+    """TP=2 x PP=2: four workers (two a core), each stage's TP rank 0 capturing; the self-check's
+    logits gathered over the last stage's TP group."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0|1")
+    with VllmHiddenStatesGenerator(
+        llama_path,
+        layer_ids=LAYERS,
+        max_model_len=1024,
+        dtype="float32",
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        max_num_batched_tokens=128,
+        self_check=True,
+    ) as g:
+        assert _stages(g) == [(0, [1], "shm"), (1, [5, 3], "shm")]
+        check_generate(g, llama_path, PROMPTS, hf_ref, LAYERS, TOL)
+        check_generate(g, llama_path, PROMPTS[::-1], hf_ref, LAYERS, TOL)
+        assert g.engine.self_check_stats.as_dict()["checked"] == 2 * len(PROMPTS)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_pp2(hf_ref, monkeypatch):
+    """The DeepSeek-V3 (Kimi-K2) architecture at PP=2: its dense first layer and MoE layers on two
+    stages. CPU MLA differs from HF past position 0 (test_dropin_engines.DEEPSEEK_CPU_NOTE), so each
+    request's position-0 row, in every layer, against HF; and the whole rows against PP=1's."""
+    from tests.engine.test_dropin_engines import check_position_zero
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    path = str(models.build("deepseek_v3"))
+    layers = [3, 0, 1]
+    prompts = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200], seed=33)
+    kw = dict(layer_ids=layers, max_model_len=1024, dtype="float32", max_num_batched_tokens=128, max_num_seqs=4)
+    with VllmHiddenStatesGenerator(path, pipeline_parallel_size=2, **kw) as g:
+        assert [lids for _, lids, _ in _stages(g)] == [[0, 1], [3]]
+        res = g.generate(prompts)
+    check_position_zero(res, prompts, hf_ref(path, layers))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    with VllmHiddenStatesGenerator(path, **kw) as g:
+        one = g.generate(prompts)
+    for a, b in zip(res, one):
+        for x, y in zip(a["hidden_states"], b["hidden_states"]):
+            assert float((x - y).norm() / y.norm()) < TOL
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_second_host_hands_rows_back_over_rpc(llama_path, hf_ref, monkeypatch):
+    """One engine over two hosts (vLLM's multiprocessing executor over nodes): this process is node 0
+    (the driver, stage 0), ``speculators-compat node --node-rank 1`` is node 1 (stage 1), both on this
+    machine. Node 1 is started with ``SPECULATORS_COMPAT_HANDOFF=rpc``, as a host without the driver's
+    /dev/shm acts: its rows come back in its RPC replies, stage 0's through /dev/shm, put together
+    HF-right; node 1 exits when the driver's engine shuts down."""
+    port = _free_port()
+    common = [
+        "--model",
+        llama_path,
+        "--pipeline-parallel-size",
+        "2",
+        "--max-model-len",
+        "1024",
+        "--dtype",
+        "float32",
+        "--max-num-batched-tokens",
+        "64",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
+    env = dict(os.environ, SPECULATORS_COMPAT_HANDOFF="rpc", VLLM_CPU_OMP_THREADS_BIND="1", PYTHONPATH=str(ROOT))
+    node = subprocess.Popen(
+        [sys.executable, "-m", "speculators_compat.cli", "node", *common, "--node-rank", "1"], env=env
+    )
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    try:
+        with VllmHiddenStatesGenerator(
+            llama_path,
+            layer_ids=LAYERS,
+            max_model_len=1024,
+            dtype="float32",
+            pipeline_parallel_size=2,
+            max_num_batched_tokens=64,
+            nnodes=2,
+            master_addr="127.0.0.1",
+            master_port=port,
+            self_check=True,
+        ) as g:
+            assert _stages(g) == [(0, [1], "shm"), (1, [5, 3], "rpc")]
+            check_generate(g, llama_path, PROMPTS, hf_ref, LAYERS, TOL)
+            check_generate(g, llama_path, PROMPTS[::-1], hf_ref, LAYERS, TOL)
+            assert g.engine.self_check_stats.as_dict()["checked"] == 2 * len(PROMPTS)
+        assert node.wait(timeout=120) is not None
+    finally:
+        if node.poll() is None:
+            node.kill()
+
+
+def test_extract_at_pp2_is_byte_identical_to_pp1(llama_path, tmp_path, monkeypatch):
+    """``extract --pipeline-parallel-size 2`` writes the same bytes as a PP=1 run (each layer runs
+    the same CPU kernels on the same rows at either size), manifest included, and ``plan`` names
+    which stage captures which layers."""
+    from tests.helpers import make_jsonl, read_dir
+
+    make_jsonl(tmp_path / "in.jsonl", lengths=[5, 300, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3, 150], seed=5)
+    cli = [sys.executable, "-m", "speculators_compat.cli"]
+    args = ["--model", llama_path, "--layer-ids", "5,1,3", "--dtype", "float32", "--max-model-len", "1024"]
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=str(ROOT))
+    plan = subprocess.run(
+        [*cli, "plan", *args, "--pipeline-parallel-size", "2"], capture_output=True, text=True, env=env
+    )
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert (
+        "stage 0: layers 0..2, captures [1]" in plan.stdout and "stage 1: layers 3..5, captures [5, 3]" in plan.stdout
+    )
+    run = [
+        *cli,
+        "extract",
+        *args,
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--batch-size",
+        "4",
+        "--max-num-batched-tokens",
+        "128",
+        "--no-progress",
+    ]
+    for pp, bind in ((1, "0"), (2, "0|1")):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        r = subprocess.run(
+            [*run, "--output", str(tmp_path / f"pp{pp}"), "--pipeline-parallel-size", str(pp)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+    one, two = read_dir(tmp_path / "pp1"), read_dir(tmp_path / "pp2")
+    assert len(one) == 14 and one == two
+
+
+UPSTREAM_PP2 = r"""
+import speculators_compat  # the user's one-line change
+from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+from speculators_compat.testing import models, reference
+path = str(models.build("llama"))
+prompts = models.random_prompts([5, 300, 37, 700, 12, 90, 8, 50, 99, 10, 11, 3], seed=9)
+gen = VllmHiddenStatesGenerator(path, layer_ids=[1, 3, 5], max_model_len=1024, pipeline_parallel_size=2)
+stages = gen._compat_engine.model_info["stages"]
+res = gen.generate(prompts)
+gen.__del__()
+worst, bad = reference.compare([r["hidden_states"] for r in res], prompts, reference.HFReference(path, [1, 3, 5]),
+                               reference.TOLERANCE["bfloat16"])
+order = [r["input_ids"].tolist() for r in res] == prompts
+emit({"stages": [s["layers"] for s in stages], "worst": worst, "bad": len(bad), "order": order})
+"""
+
+
+def test_upstream_class_at_pp2():
+    """speculators 0.3.0's own class, patched, with ``pipeline_parallel_size=2`` (ours: upstream has
+    none): upstream's settings (bf16 on CPU, its tolerance), every row HF-right in input order."""
+    from tests.helpers import run_snippet
+
+    out, log = run_snippet(UPSTREAM_PP2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=600)
+    assert out is not None, log[-3000:]
+    assert out["stages"] == [[1], [3, 5]] and out["order"] and out["bad"] == 0, out
+
+
+def test_serve_loop_at_pp2(llama_path, hf_ref, monkeypatch):
+    """``serve``'s continuous loop (engine/stream.py) over PP=2: prompts submitted one by one while
+    others are in flight, on both stages at once, each taken from both stages when it is done and
+    HF-right; every one self-checked on the last stage."""
+    from speculators_compat.engine.stream import StreamingLoop
+    from tests.engine.test_stream import submit_staggered
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    stream = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200, 3, 70, 44, 17], seed=14)
+    with VllmHiddenStatesGenerator(
+        llama_path, layer_ids=LAYERS, max_model_len=1024, dtype="float32", pipeline_parallel_size=2,
+        max_num_batched_tokens=128, max_num_seqs=4, self_check=True,
+    ) as g:
+        lp = StreamingLoop(g.engine)
+        try:
+            got = [f.result(timeout=600) for f in submit_staggered(lp, stream)]
+        finally:
+            lp.close()
+        assert g.engine.self_check_stats.as_dict()["checked"] == len(stream)
+    worst, bad = reference.compare([x.states for x in got], stream, hf_ref(llama_path, LAYERS), TOL)
+    assert not bad, (worst, bad[:3])
