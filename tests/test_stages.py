@@ -139,3 +139,16 @@ def test_plan_prints_each_stage(tmp_path):
     text = format_plan(two)
     assert "tensor parallel 2 x pipeline parallel 2 (4 GPUs)" in text
     assert "stage 0: layers 0..15, captures [2]" in text and "stage 1: layers 16..31, captures [16, 29, 31]" in text
+
+
+def test_plan_of_deepseek_v3_fp8_over_two_nodes():
+    """The multi-node recipe's model (examples/deepseek_v3_fp8: DeepSeek-V3's config, block-FP8): every
+    linear layer counted at 8 bits plus a float32 scale a 128x128 block (about 671 B parameters, 673 GB);
+    it does not fit one node of 80 GB GPUs at TP=8, and fits two at TP=8 x PP=2."""
+    one = make_plan("examples/deepseek_v3_fp8", tensor_parallel_size=8, gpu_memory_gib=80)
+    assert 670e9 < one.params_total < 672e9 and one.params_quantized / one.params_total > 0.99
+    assert 670e9 < one.weight_bytes_total < 676e9
+    assert one.kv_cache_tokens == 0 and any("DO NOT FIT" in n for n in one.notes)
+    two = make_plan("examples/deepseek_v3_fp8", tensor_parallel_size=8, pipeline_parallel_size=2, gpu_memory_gib=80)
+    assert all(s["kv_cache_tokens"] > 500_000 for s in two.stages)
+    assert [s["captures"] for s in two.stages] == [[2, 30], [58, 60]]

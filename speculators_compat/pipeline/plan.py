@@ -69,11 +69,32 @@ def _text_cfg(cfg: dict) -> dict:
     return cfg
 
 
-def _quant(cfg: dict) -> tuple[float, list[str], str]:
-    """(bits per quantized weight incl. scales, ignore patterns, description)."""
+@dataclass(frozen=True)
+class Quant:
+    """A checkpoint's weight quantization as the plan counts it: bits per quantized weight (scales
+    included; 0: none) and which parameter groups it covers: ``experts`` (int-N checkpoints of MoE
+    models, Kimi-K2.x: the routed experts only; attention, shared experts, the dense layers,
+    embeddings and the ViT stay bf16, their ignore list) or ``linear`` (block-FP8 checkpoints,
+    DeepSeek-V3 / Kimi-K2: every linear layer; embeddings, lm_head, norms and routers stay bf16)."""
+
+    bits: float = 0.0
+    scope: str = "experts"
+
+    def bytes_of(self, name: str, count: int, routed: bool, dtype_bytes: int) -> float:
+        linear = name.startswith(("attention", "dense MLP", "shared experts", "MLP")) or routed
+        covered = bool(self.bits) and (routed if self.scope == "experts" else linear)
+        return count * (self.bits / 8.0 if covered else dtype_bytes)
+
+
+def _quant(cfg: dict) -> tuple[Quant, str]:
+    """(how the checkpoint's weights are quantized, a description)."""
     q = cfg.get("quantization_config") or _text_cfg(cfg).get("quantization_config")
     if not q:
-        return 0.0, [], "none"
+        return Quant(), "none"
+    if q.get("quant_method") == "fp8":
+        block = q.get("weight_block_size") or [128, 128]
+        eff = 8 + 32.0 / (block[0] * block[1])  # e4m3 weights, one float32 scale per block
+        return Quant(eff, "linear"), f"fp8 blocks {block[0]}x{block[1]} ({eff:.3f} bits/weight, every linear layer)"
     if q.get("quant_method") == "compressed-tensors":
         groups = q.get("config_groups") or {}
         w = next(iter(groups.values()), {}).get("weights", {}) if groups else {}
@@ -82,8 +103,8 @@ def _quant(cfg: dict) -> tuple[float, list[str], str]:
         eff = bits + (16.0 / gs if gs else 0.0)  # one bf16 scale per group
         if w.get("symmetric") is False and gs:
             eff += bits / gs  # zero points
-        return eff, list(q.get("ignore", [])), f"compressed-tensors int{bits} group {gs} ({eff:.2f} bits/weight)"
-    return 0.0, [], f"{q.get('quant_method')} (not modelled: counted as bf16)"
+        return Quant(eff), f"compressed-tensors int{bits} group {gs} ({eff:.2f} bits/weight)"
+    return Quant(), f"{q.get('quant_method')} (not modelled: counted as bf16)"
 
 
 def count_params(cfg: dict) -> dict[str, Any]:
@@ -156,17 +177,14 @@ def disk_bytes_per_token(layers: int, hidden: int, dtype_bytes: int, states_dtyp
     return state_bytes_per_token(layers, hidden, dtype_bytes, states_dtype) + 8 + 8
 
 
-def _weight_bytes(info: dict, qbits: int, dtype_bytes: int, tp: int) -> tuple[int, int, float, float]:
+def _weight_bytes(info: dict, qz: Quant, dtype_bytes: int, tp: int) -> tuple[int, int, float, float]:
     """(parameters, of which quantized, weight bytes in all, weight bytes per GPU)."""
     total = quant = 0
     wbytes_total = wbytes_gpu = 0.0
-    for _name, count, sharded, routed in info["groups"]:
-        # int-N checkpoints of MoE models (Kimi-K2.x) quantize the routed experts only; attention,
-        # shared experts, the dense layer, embeddings and the ViT stay bf16 (their ignore list)
-        q = bool(qbits) and routed
-        b = count * (qbits / 8.0 if q else dtype_bytes)
+    for name, count, sharded, routed in info["groups"]:
+        b = qz.bytes_of(name, count, routed, dtype_bytes)
         total += count
-        quant += count if q else 0
+        quant += count if b != count * dtype_bytes else 0
         wbytes_total += b
         wbytes_gpu += b / tp if sharded else b
     return total, quant, wbytes_total, wbytes_gpu
@@ -187,13 +205,16 @@ def _group_layers(name: str, n: int, dense: int) -> tuple[int, int] | str:
 
 
 def stage_figures(
-    info: dict, t: dict, ids: list, tp: int, pp: int, dtype_bytes: int, qbits: float, mnbt: int
+    info: dict, t: dict, ids: list, tp: int, pp: int, dtype_bytes: int, qz: Quant, mnbt: int
 ) -> list[dict]:
     """Per pipeline stage (layers as vLLM splits them: layers.stage_ranges): the captured layers it
     computes, its weights per GPU (its layers' share of each group; embeddings on the first stage,
-    lm_head on the last), its KV-cache bytes per token per GPU and its capture buffer per step."""
+    lm_head on the last), its KV-cache bytes per token per GPU and its capture buffer per step.
+    Empty without pipeline parallelism."""
     from ..layers import stage_ranges
 
+    if pp < 2:
+        return []
     n = info["layers"]
     dense = t.get("first_k_dense_replace", 0) if (t.get("n_routed_experts") or t.get("num_experts")) else 0
     kv_all = _kv_bytes_per_token(t, info, tp, dtype_bytes)
@@ -207,7 +228,7 @@ def stage_figures(
             else:
                 lo, hi = where
                 share = max(0, min(b, hi) - max(a, lo)) / max(1, hi - lo)
-            per = count * share * (qbits / 8.0 if qbits and routed else dtype_bytes)
+            per = share * qz.bytes_of(name, count, routed, dtype_bytes)
             wbytes += per / tp if sharded else per
         own = [i for i in ids if a <= i < b]
         out.append(
@@ -336,8 +357,8 @@ def make_plan(
     tp = tensor_parallel_size
     h, n = info["hidden"], info["layers"]
     ids = resolve_layers(layer_ids, n, layer_id_convention, fmt)
-    qbits, _ignore, qdesc = _quant(cfg)
-    total, quant, wbytes_total, wbytes_gpu = _weight_bytes(info, qbits, dtype_bytes, tp)
+    qz, qdesc = _quant(cfg)
+    total, quant, wbytes_total, wbytes_gpu = _weight_bytes(info, qz, dtype_bytes, tp)
     kv = _kv_bytes_per_token(t, info, tp, dtype_bytes)
     mnbt = max_num_batched_tokens or max(8192, max_model_len)
     hidden_per_token = state_bytes_per_token(len(ids), h, dtype_bytes, states_dtype)
@@ -346,11 +367,7 @@ def make_plan(
     # activation peak of one prefill step, rough: a few hidden-sized buffers per token plus logits
     activation = mnbt * (8 * h + (t["vocab_size"] // tp)) * 4
     kv_budget = int(gpu_bytes * gpu_memory_utilization - wbytes_gpu - activation - capture_step)
-    stages = (
-        stage_figures(info, t, ids, tp, pipeline_parallel_size, dtype_bytes, qbits, mnbt)
-        if pipeline_parallel_size > 1
-        else []
-    )
+    stages = stage_figures(info, t, ids, tp, pipeline_parallel_size, dtype_bytes, qz, mnbt)
     if stages:  # each stage's GPUs hold its layers: the fullest stage binds
         wbytes_gpu, kv, kv_budget, capture_step = _fit_stages(stages, gpu_bytes * gpu_memory_utilization - activation)
     notes = _notes(qdesc, mnbt, activation, info, dtype_bytes, kv_budget)

@@ -272,8 +272,14 @@ def test_serve_loop_at_pp2(llama_path, hf_ref, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     stream = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200, 3, 70, 44, 17], seed=14)
     with VllmHiddenStatesGenerator(
-        llama_path, layer_ids=LAYERS, max_model_len=1024, dtype="float32", pipeline_parallel_size=2,
-        max_num_batched_tokens=128, max_num_seqs=4, self_check=True,
+        llama_path,
+        layer_ids=LAYERS,
+        max_model_len=1024,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+        self_check=True,
     ) as g:
         lp = StreamingLoop(g.engine)
         try:
