@@ -33,6 +33,21 @@ def _needs_cpu_pp(vllm_version):
         pytest.skip(f"vLLM {vllm_version}: pipeline parallelism is tested on the newest cell (0.32+)")
 
 
+def pp_generator(path: str, **kw) -> VllmHiddenStatesGenerator:
+    """The tiny model at PP=2, float32, LAYERS, self-check on; ``kw`` adds or overrides."""
+    return VllmHiddenStatesGenerator(
+        path,
+        **{
+            "layer_ids": LAYERS,
+            "max_model_len": 1024,
+            "dtype": "float32",
+            "pipeline_parallel_size": 2,
+            "self_check": True,
+            **kw,
+        },
+    )
+
+
 def _stages(gen) -> list:
     return [(s["stage"], s["layers"], s["handoff"]) for s in gen.engine.model_info["stages"]]
 
@@ -44,15 +59,7 @@ def test_pp2_every_row_against_hf(llama_path, hf_ref, monkeypatch):
     from speculators_compat.errors import CaptureError
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    with VllmHiddenStatesGenerator(
-        llama_path,
-        layer_ids=LAYERS,
-        max_model_len=1024,
-        dtype="float32",
-        pipeline_parallel_size=2,
-        max_num_batched_tokens=64,
-        self_check=True,
-    ) as g:
+    with pp_generator(llama_path, max_num_batched_tokens=64) as g:
         assert stage_ranges(6, 2) == [(0, 3), (3, 6)]
         assert _stages(g) == [(0, [1], "shm"), (1, [5, 3], "shm")]
         check_generate(g, llama_path, PROMPTS, hf_ref, LAYERS, TOL)
@@ -93,16 +100,7 @@ def test_tp2_pp2_every_row_against_hf(llama_path, hf_ref, monkeypatch):
     """TP=2 x PP=2: four workers (two a core), each stage's TP rank 0 capturing; the self-check's
     logits gathered over the last stage's TP group."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0|1")
-    with VllmHiddenStatesGenerator(
-        llama_path,
-        layer_ids=LAYERS,
-        max_model_len=1024,
-        dtype="float32",
-        tensor_parallel_size=2,
-        pipeline_parallel_size=2,
-        max_num_batched_tokens=128,
-        self_check=True,
-    ) as g:
+    with pp_generator(llama_path, tensor_parallel_size=2, max_num_batched_tokens=128) as g:
         assert _stages(g) == [(0, [1], "shm"), (1, [5, 3], "shm")]
         check_generate(g, llama_path, PROMPTS, hf_ref, LAYERS, TOL)
         check_generate(g, llama_path, PROMPTS[::-1], hf_ref, LAYERS, TOL)
@@ -171,17 +169,8 @@ def test_a_second_host_hands_rows_back_over_rpc(llama_path, hf_ref, monkeypatch)
     )
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     try:
-        with VllmHiddenStatesGenerator(
-            llama_path,
-            layer_ids=LAYERS,
-            max_model_len=1024,
-            dtype="float32",
-            pipeline_parallel_size=2,
-            max_num_batched_tokens=64,
-            nnodes=2,
-            master_addr="127.0.0.1",
-            master_port=port,
-            self_check=True,
+        with pp_generator(
+            llama_path, max_num_batched_tokens=64, nnodes=2, master_addr="127.0.0.1", master_port=port
         ) as g:
             assert _stages(g) == [(0, [1], "shm"), (1, [5, 3], "rpc")]
             check_generate(g, llama_path, PROMPTS, hf_ref, LAYERS, TOL)
@@ -271,16 +260,7 @@ def test_serve_loop_at_pp2(llama_path, hf_ref, monkeypatch):
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     stream = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200, 3, 70, 44, 17], seed=14)
-    with VllmHiddenStatesGenerator(
-        llama_path,
-        layer_ids=LAYERS,
-        max_model_len=1024,
-        dtype="float32",
-        pipeline_parallel_size=2,
-        max_num_batched_tokens=128,
-        max_num_seqs=4,
-        self_check=True,
-    ) as g:
+    with pp_generator(llama_path, max_num_batched_tokens=128, max_num_seqs=4) as g:
         lp = StreamingLoop(g.engine)
         try:
             got = [f.result(timeout=600) for f in submit_staggered(lp, stream)]
