@@ -30,7 +30,14 @@ def test_stage_ranges_as_vllm_splits_them(monkeypatch):
 
 
 def _info(stage, layers, capturing=True, handoff="shm", stages=2):
-    return {"stage": stage, "stages": stages, "stage_layers": layers, "capturing": capturing, "handoff": handoff}
+    return {
+        "stage": stage,
+        "stages": stages,
+        "stage_layers": layers,
+        "capturing": capturing,
+        "handoff": handoff,
+        "layer_range": [3 * stage, 3 * stage + 3],
+    }
 
 
 def test_stage_map_from_the_workers_replies():
@@ -38,8 +45,8 @@ def test_stage_map_from_the_workers_replies():
     m = StageMap.from_infos(infos, [5, 1, 3])
     assert m.layers == {0: [1], 1: [5, 3]} and not m.single
     assert m.describe() == [
-        {"stage": 0, "layers": [1], "handoff": "shm"},
-        {"stage": 1, "layers": [5, 3], "handoff": "rpc"},
+        {"stage": 0, "layers": [1], "handoff": "shm", "range": [0, 3]},
+        {"stage": 1, "layers": [5, 3], "handoff": "rpc", "range": [3, 6]},
     ]
     with pytest.raises(RuntimeError, match=r"no pipeline stage captures layer\(s\) \[4\]"):
         StageMap.from_infos(infos, [1, 4])

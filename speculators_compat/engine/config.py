@@ -147,8 +147,7 @@ def build_vllm_config(opts: EngineOptions):
 
 def _multi_node_args(opts: EngineOptions) -> dict:
     """vLLM's multi-node settings of the multiprocessing executor, where more than one host is asked
-    for; refused by name on a vLLM whose EngineArgs has none (before 0.32) or with Ray (which places
-    the workers on its cluster's nodes itself)."""
+    for (checked by ``check_nodes``); refused by name on a vLLM whose EngineArgs has none (before 0.32)."""
     if opts.nnodes == 1:
         return {}
     from vllm.engine.arg_utils import EngineArgs

@@ -305,7 +305,7 @@ class ExtractionEngine:
         import torch
 
         states = taken["states"]
-        if self._handoff_prefix is None or "dtype" not in taken:
+        if self._handoff_prefix is None:
             return states
         dtype = getattr(torch, taken["dtype"])
         shapes = [(taken["hidden"], dtype)] * len(self.layer_ids) + [(1, torch.float32)] if taken.get("fp8") else None

@@ -19,17 +19,19 @@ class StageMap:
 
     layers: dict  # stage -> [layer ids], in the caller's order
     handoff: dict  # stage -> "shm" | "rpc"
+    ranges: dict  # stage -> [first, end) of the decoder layers it computes, as vLLM split them
     stages: int  # pipeline-parallel size
 
     @classmethod
     def from_infos(cls, infos: list, layer_ids: list) -> StageMap:
         """From ``compat_capture_setup``'s replies (one a worker); every requested layer must be
         computed by exactly one stage."""
-        layers, handoff = {}, {}
+        layers, handoff, ranges = {}, {}, {}
         for i in infos:
             if i.get("stage_layers") and i.get("capturing"):
                 layers[i["stage"]] = list(i["stage_layers"])
                 handoff[i["stage"]] = i.get("handoff", "shm")
+                ranges[i["stage"]] = list(i.get("layer_range") or ())
         owners = {}
         for s, lids in layers.items():
             for lid in lids:
@@ -41,7 +43,7 @@ class StageMap:
         if twice:
             raise RuntimeError(f"speculators_compat: layer(s) {twice} are captured by more than one stage")
         stages = max((int(i.get("stages", 1)) for i in infos), default=1)
-        return cls(layers, handoff, stages)
+        return cls(layers, handoff, ranges, stages)
 
     @property
     def single(self) -> bool:
@@ -49,7 +51,10 @@ class StageMap:
         return self.stages == 1
 
     def describe(self) -> list[dict]:
-        return [{"stage": s, "layers": self.layers[s], "handoff": self.handoff[s]} for s in sorted(self.layers)]
+        return [
+            {"stage": s, "layers": self.layers[s], "handoff": self.handoff[s], "range": self.ranges[s]}
+            for s in sorted(self.layers)
+        ]
 
 
 def merge(replies: list, layer_ids: list, req_ids: list) -> dict:

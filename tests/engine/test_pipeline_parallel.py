@@ -61,6 +61,7 @@ def test_pp2_every_row_against_hf(llama_path, hf_ref, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     with pp_generator(llama_path, max_num_batched_tokens=64) as g:
         assert stage_ranges(6, 2) == [(0, 3), (3, 6)]
+        assert [tuple(s["range"]) for s in g.engine.model_info["stages"]] == stage_ranges(6, 2)  # vLLM's split
         assert _stages(g) == [(0, [1], "shm"), (1, [5, 3], "shm")]
         check_generate(g, llama_path, PROMPTS, hf_ref, LAYERS, TOL)
         check_generate(g, llama_path, PROMPTS[::-1], hf_ref, LAYERS, TOL)
