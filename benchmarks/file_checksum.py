@@ -31,8 +31,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from speculators_compat.pipeline.output import crc
-    from speculators_compat.pipeline.output import files as writer
+    from speculators_compat.files import crc
+    from speculators_compat.files import formats as writer
 
     g = torch.Generator().manual_seed(0)
     sample = {

@@ -72,7 +72,7 @@ def _sample_bytes(path: str, lengths: list[int], itemsize: int, layers: str | No
 def _file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
     """CPU microseconds (this thread: user + kernel) per file to create, write ``nbytes`` and rename
     into ``root``, as the pipeline's writer does (the files are deleted afterwards, untimed)."""
-    from speculators_compat.pipeline.output.files import write_parts
+    from speculators_compat.files.formats import write_parts
 
     n = n or max(20, min(400, (256 << 20) // max(nbytes, 1)))  # at most ~256 MiB written
     d = tempfile.mkdtemp(prefix="fs-probe-", dir=root)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..engine.config import EXECUTOR_BACKENDS, STATES_DTYPES, check_states_dtype
-from .output.checksums import CHECKSUMS, check_checksum
+from ..files.checksums import CHECKSUMS, check_checksum
 
 #: settings of the engine itself (the generator's keyword arguments), as the CLI names them
 ENGINE_ARGS = (

@@ -117,8 +117,8 @@ class Service:
 
     def write(self, path: Path, ids: list[int], states) -> None:
         from ..engine.fp8 import SCALES_KEY, Fp8States
+        from ..files.formats import write_sample
         from ..generator import token_tensor
-        from ..pipeline.output.files import write_sample
 
         sample = {"input_ids": token_tensor(ids)}
         if isinstance(states, Fp8States):

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 from speculators_compat.errors import OutputError
-from speculators_compat.pipeline.output.files import done_from_shards, read_shard_range  # noqa: E402
+from speculators_compat.files.formats import done_from_shards, read_shard_range  # noqa: E402
 from speculators_compat.pipeline.output.outdir import OutputDir  # noqa: E402
 from speculators_compat.pipeline.output.verify import verify_output  # noqa: E402
 from speculators_compat.pipeline.writers.shards import ShardWriter, check_shard_size, load_shard  # noqa: E402

@@ -298,7 +298,7 @@ def test_written_states_are_not_kept_alive_by_torch_save(tmp_path, rows, pt_writ
     torch = pytest.importorskip("torch")
     import numpy as np
 
-    from speculators_compat.pipeline.output.files import write_sample
+    from speculators_compat.files.formats import write_sample
 
     buf = np.frombuffer(bytearray(torch.randn(rows, 64).numpy().tobytes()), dtype=np.float32)
     died = []

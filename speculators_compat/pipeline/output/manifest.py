@@ -9,9 +9,9 @@ import os
 import time
 from pathlib import Path
 
+from ...files.checksums import CHECKSUMS, DEFAULT_CHECKSUM, file_digest
+from ...files.formats import atomic_write, file_name, shard_name
 from ..ranks import merged_extra
-from .checksums import CHECKSUMS, DEFAULT_CHECKSUM, file_digest
-from .files import atomic_write, file_name, shard_name
 from .layout import Layout
 
 logger = logging.getLogger("speculators_compat.pipeline")

@@ -36,9 +36,9 @@ import os
 from pathlib import Path
 
 from ...errors import OutputError
+from ...files.checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum
+from ...files.formats import SHARD_FILE_RE, atomic_write, data_file_index, done_from_shards
 from ..ranks import Part
-from .checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum
-from .files import SHARD_FILE_RE, atomic_write, data_file_index, done_from_shards
 from .layout import Layout
 from .manifest import Manifest
 from .outlock import RANK_DIR_RE, OutputLock

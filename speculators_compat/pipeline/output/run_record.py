@@ -7,7 +7,7 @@ import json
 import logging
 
 from ...errors import OutputError
-from .files import SHARD_FILE_RE, atomic_write, data_file_index
+from ...files.formats import SHARD_FILE_RE, atomic_write, data_file_index
 from .outlock import RANK_DIR_RE
 
 logger = logging.getLogger("speculators_compat.pipeline")

@@ -41,8 +41,8 @@ def write_dataset(dest: Path, input_path: str, n_samples: int, max_model_len: in
     its size and ``checksum`` digest (for manifest.json; ``verify`` checks them)."""
     import datasets
 
+    from ...files.checksums import file_digest
     from ..dataset import open_dataset
-    from .checksums import file_digest
 
     max_len = max_model_len - 1
 

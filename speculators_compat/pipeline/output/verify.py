@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .checksums import CHECKSUMS, file_digest
-from .files import SHARD_FILE_RE, data_file_index
+from ...files.checksums import CHECKSUMS, file_digest
+from ...files.formats import SHARD_FILE_RE, data_file_index
 from .layout import Layout
 from .outdir import OutputDir
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import OutputError, WriterProcessDied
+from ...files import ptfile
+from ...files.formats import file_name, write_sample
 from ...host import cuda_device_count, usable_cpus
-from ..output import ptfile
-from ..output.files import file_name, write_sample
 from ..output.outdir import OutputDir
 from .threads import ChecksumLog, Writer
 

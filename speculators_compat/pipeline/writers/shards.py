@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..output.checksums import new_digest
-from ..output.files import SHARD_TAG, atomic_write, distinct_states, read_shard_range, shard_name
+from ...files.checksums import new_digest
+from ...files.formats import SHARD_TAG, atomic_write, distinct_states, read_shard_range, shard_name
 from .threads import ChecksumLog, Writer, default_writer_threads
 
 logger = logging.getLogger("speculators_compat.pipeline")

@@ -11,9 +11,9 @@ import queue
 import threading
 
 from ...errors import OutputError
+from ...files.checksums import DEFAULT_CHECKSUM
+from ...files.formats import file_name, write_sample
 from ...host import usable_cpus
-from ..output.checksums import DEFAULT_CHECKSUM
-from ..output.files import file_name, write_sample
 from ..output.outdir import OutputDir
 
 

@@ -1,4 +1,4 @@
-"""Checksums (pipeline/output/checksums.py): each file listed with the chosen one, kept across reruns."""
+"""Checksums (files/checksums.py): each file listed with the chosen one, kept across reruns."""
 
 import json
 
@@ -21,7 +21,7 @@ def test_each_file_is_listed_with_the_chosen_checksum(tmp_path, kind, checksum, 
     """checksums.jsonl and manifest.json carry the chosen algorithm's digest of each file's bytes,
     keyed by its name, and no other; 'none' lists sizes only. Streamed and in-memory writes both."""
 
-    from speculators_compat.pipeline.output import files
+    from speculators_compat.files import formats as files
     from speculators_compat.pipeline.writers import processes as w
     from speculators_compat.pipeline.writers.threads import BackgroundWriter
 
@@ -90,7 +90,7 @@ def test_unknown_checksum_is_refused_before_anything_starts(tmp_path):
 def test_a_digest_needs_a_chosen_algorithm(name):
     """None means "choose later" only before the run; a digest asked for None is a bug and must
     not silently become no checksum."""
-    from speculators_compat.pipeline.output.checksums import new_digest
+    from speculators_compat.files.checksums import new_digest
 
     with pytest.raises(ValueError, match=f"checksum must be one of crc32, sha256, none, not {name!r}"):
         new_digest(name)

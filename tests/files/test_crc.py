@@ -1,4 +1,4 @@
-"""speculators_compat.pipeline.output.crc: the CRC-32 of a file from its pieces' CRCs must be zlib's CRC-32
+"""speculators_compat.files.crc: the CRC-32 of a file from its pieces' CRCs must be zlib's CRC-32
 of the whole file, for every split, and a piece whose CRC is given must not be read again."""
 
 import os
@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from speculators_compat.pipeline.output import crc
+from speculators_compat.files import crc
 
 
 def test_combine_equals_zlib_on_the_joined_bytes():

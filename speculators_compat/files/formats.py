@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ...engine.fp8 import SCALES_KEY, PtStates
+from ..engine.fp8 import SCALES_KEY, PtStates
 from . import crc, ptfile
 from .checksums import DEFAULT_CHECKSUM, HashingFile, new_digest
 

@@ -36,7 +36,7 @@ import zlib
 from collections import OrderedDict
 from typing import Any
 
-from ... import envs
+from .. import envs
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -45,7 +45,7 @@ logger = logging.getLogger("speculators_compat.pipeline")
 TORCH_INTERNALS = [
     (
         "torch.save's zip archive (records, 64-byte alignment, data descriptors, zip64 end, serialization id)",
-        "build data_{i}.pt directly (pipeline/output/ptfile.py)",
+        "build data_{i}.pt directly (files/ptfile.py)",
         "torch 2.8, 2.9.1, 2.10, 2.11, 2.13 (byte-identical on 200 random samples in each)",
         "low: checked against torch.save in every process before use; any difference: torch.save writes, with a warning",
     ),

@@ -1,4 +1,4 @@
-"""The direct data_{i}.pt encoder (speculators_compat.pipeline.output.ptfile): its files must be the
+"""The direct data_{i}.pt encoder (speculators_compat.files.ptfile): its files must be the
 bytes torch.save writes, in every torch the matrix installs (each engine cell runs this file with
 its own torch: 2.8 ... 2.13), and anything it cannot reproduce must go to torch.save."""
 
@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from speculators_compat.pipeline.output import files as writer  # noqa: E402
-from speculators_compat.pipeline.output import ptfile  # noqa: E402
-from speculators_compat.pipeline.output.checksums import file_digest  # noqa: E402
+from speculators_compat.files import formats as writer  # noqa: E402
+from speculators_compat.files import ptfile  # noqa: E402
+from speculators_compat.files.checksums import file_digest  # noqa: E402
 
 
 def _saved(obj) -> bytes:

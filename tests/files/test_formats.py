@@ -1,4 +1,4 @@
-"""Data files (pipeline/output/files.py): names by format, and the same bytes however written."""
+"""Data files (files/formats.py): names by format, and the same bytes however written."""
 
 import pytest
 
@@ -11,7 +11,7 @@ def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch,
     import hashlib
 
     torch = pytest.importorskip("torch")
-    from speculators_compat.pipeline.output import files as writer
+    from speculators_compat.files import formats as writer
 
     g = torch.Generator().manual_seed(rows)
     sample = {
@@ -35,7 +35,7 @@ def test_in_memory_and_streamed_writes_give_the_same_file(tmp_path, monkeypatch,
 
 
 def test_file_names_of_each_format():
-    from speculators_compat.pipeline.output.files import data_file_index, file_name
+    from speculators_compat.files.formats import data_file_index, file_name
 
     assert [file_name(7, f) for f in ("pt", "safetensors", "speculators-hs")] == [
         "data_7.pt",
