@@ -58,7 +58,7 @@ def _verify(args) -> int:
 def _serve(args) -> int:
     from .serve.command import main_serve
 
-    return main_serve(args)
+    return main_serve(args, args.vllm_args)
 
 
 def _node(args) -> int:
@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "serve",
-        help="an HTTP server for speculators' clients, in place of vllm serve with extract_hidden_states "
-        "(docs/serving.md)",
+        help="vLLM's own OpenAI server with the capture connector: speculators' clients get their "
+        "hidden-states files; other flags go to vllm serve (docs/serving.md)",
     )
     add_serve_args(s)
     s.set_defaults(fn=_serve)
@@ -147,8 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .signals import handle_termination, interrupted
 
-    args = build_parser().parse_args(argv)
-    handle_termination()  # SIGTERM / SIGHUP shut the engine down like Ctrl-C (signals.py)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.fn is not _serve:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.vllm_args = rest  # (serve passes the flags it does not know to vllm serve)
+    if args.fn is not _serve:  # (vLLM's server handles its own signals)
+        handle_termination()  # SIGTERM / SIGHUP shut the engine down like Ctrl-C (signals.py)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -73,6 +73,14 @@ SETTINGS = {
             None,
             "where the built-in tiny models (and the development scripts' engine environments) live",
         ),
+        Setting(
+            "SPECULATORS_COMPAT_SERVE_FILES",
+            "",
+            None,
+            "the file routes and request guards of `serve` (`speculators_compat.serve.files.HiddenStatesFiles`, a "
+            "`vllm serve --middleware`): JSON `{folder, tokens, max_body, reserve}`; `serve` sets it, set it "
+            "yourself to mount them on a `vllm serve` of your own",
+        ),
     )
 }
 
@@ -93,7 +101,7 @@ def table_markdown() -> str:
         values = (
             " \\| ".join(f"`{c}`" for c in s.choices)
             if s.choices and s.choices != _BOOL
-            else ("`1` / `0`" if s.choices else "a path")
+            else ("`1` / `0`" if s.choices else "JSON" if s.name.endswith("_FILES") else "a path")
         )
         rows.append(f"| `{s.name}` | `{s.default}` | {values} | {s.doc} |")
     return "\n".join(rows) + "\n"

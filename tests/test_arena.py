@@ -40,7 +40,7 @@ def test_growth_keeps_earlier_blocks_until_the_next_batch(prefix):
 
 
 def test_with_requests_in_flight_a_slab_none_of_them_uses_is_filled_again(prefix):
-    """Continuous batching (engine/stream.py) never drains the arena: ``reserve`` with the slabs
+    """Continuous batching (the capture connector under vLLM's server) never drains the arena: ``reserve`` with the slabs
     the requests in flight use takes a free slab that fits instead of making ever larger ones,
     and releases free ones beyond SPARE."""
     a = arena_mod.Arena(prefix, pin=False)

@@ -84,7 +84,8 @@ class _Segment:
 class _CaptureState:
     layer_ids: list[int]
     handles: list = field(default_factory=list)
-    expected: dict = field(default_factory=dict)  # req_id -> prompt length
+    expected: dict = field(default_factory=dict)  # req_id -> positions to keep (the prompt length)
+    check_at: dict = field(default_factory=dict)  # req_id -> the self-check's position + 1, where not expected's
     order: dict = field(default_factory=dict)  # req_id -> announcement serial (the arena's order)
     serial: int = 0
     segments: dict = field(default_factory=dict)  # req_id -> list[_Segment]
@@ -354,6 +355,7 @@ def _take(st, req_ids, want_data):
     states, errors = {}, {}
     for rid in req_ids:
         plen = st.expected.pop(rid, None)
+        st.check_at.pop(rid, None)
         st.order.pop(rid, None)
         st.regions.pop(rid, None)
         segs = sorted(st.segments.pop(rid, []), key=lambda s: s.start)
@@ -405,6 +407,35 @@ def _take(st, req_ids, want_data):
         "layer_ids": st.layer_ids,
         "stage": st.stage,
     }
+
+
+def trim(worker, req_id: str, length: int) -> None:
+    """Keep ``req_id``'s first ``length`` positions: a request whose end was known only when it
+    finished (one that keeps its output tokens) may have computed positions past it (a step
+    scheduled before its stop was seen). ``take`` then checks coverage of exactly these."""
+    st = getattr(worker, "_compat_capture", None)
+    if st is None or req_id not in st.expected:
+        return
+    st.expected[req_id] = length
+    kept = []
+    for s in st.segments.get(req_id, []):
+        if s.start >= length:
+            continue
+        keep = min(s.layers[0][2], length - s.start)
+        kept.append(_Segment(s.start, [(b, o, keep) for b, o, _ in s.layers]))
+    if req_id in st.segments:
+        st.segments[req_id] = kept
+
+
+def restart(worker, req_id: str) -> None:
+    """``req_id`` is computed again from position 0 (resumed after a preemption): forget its rows."""
+    st = getattr(worker, "_compat_capture", None)
+    if st is not None:
+        st.segments.pop(req_id, None)
+    w = getattr(worker, "_compat_witness", None)
+    if isinstance(w, witness.Witness):
+        w.rows.pop(req_id, None)
+        w.vllm_top.pop(req_id, None)
 
 
 def _gather(arena, blocks, hidden, dtype) -> torch.Tensor:

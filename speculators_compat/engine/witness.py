@@ -43,6 +43,14 @@ class Witness:
     rows: dict = field(default_factory=dict)  # req_id -> [hidden] kept by the last layer's hook
     enabled: bool = True  # the driver's setting (compat_self_check): off, the hook keeps nothing
     seconds: float = 0.0  # time in check()
+    vllm_top: dict = field(default_factory=dict)  # req_id -> (ids, log-probabilities): vLLM's own (watch_logits)
+    checking: bool = False  # inside check(): its compute_logits call is ours, not vLLM's
+
+
+def target(st, rid) -> int | None:
+    """One past the position whose state the check sets against the sampled token: the prompt's
+    end (``check_at`` where the capture keeps more than the prompt)."""
+    return st.check_at.get(rid) or st.expected.get(rid)
 
 
 def install_witness(worker, model, base, capture: bool):
@@ -84,7 +92,11 @@ def make_last_row_hook(st, w: Witness):
         for rid, n in zip(req_ids, counts):
             offsets[rid] = at
             at += n
-        pick = [(rid, offsets[rid] + n - 1) for rid, start, n, _ in plan[1] if start + n == st.expected.get(rid)]
+        pick = []
+        for rid, start, n, _ in plan[1]:
+            end = target(st, rid)
+            if end is not None and start < end <= start + n:
+                pick.append((rid, offsets[rid] + end - 1 - start))
         if not pick:
             return None
         if st.fault is not None:  # (tests only: faults.py)
@@ -111,15 +123,15 @@ def _state_rows(st, w: Witness, req_ids) -> tuple[torch.Tensor, list[str | None]
     where = w.device if j is None else "cpu"  # the hook's rows are on the device, the arena's on the host
     rows, problems = [], []
     for rid in req_ids:
-        plen = st.expected.get(rid)
+        end = target(st, rid)
         row = None
         if j is None:
             row = w.rows.pop(rid, None)
-        elif plen is not None:
+        elif end is not None:
             for s in st.segments.get(rid, ()):
                 b, o, n = s.layers[j]
-                if s.start + n == plen:
-                    row = st.arena.view(b, o, n, st.hidden, st.dtype)[n - 1]
+                if s.start < end <= s.start + n:
+                    row = st.arena.view(b, o, n, st.hidden, st.dtype)[end - 1 - s.start]
                     break
         problems.append(None if row is not None else "no captured state at its last position")
         rows.append(row if row is not None else torch.zeros(w.hidden, dtype=w.dtype, device=where))
@@ -156,7 +168,11 @@ def check(worker, req_ids: list[str], probe: list[list[int]] | None = None) -> d
         normed = w.norm(rows)
         if isinstance(normed, tuple):
             normed = normed[0]
-        logits = w.model.compute_logits(normed)
+        w.checking = True
+        try:
+            logits = w.model.compute_logits(normed)
+        finally:
+            w.checking = False
         if not w.capture or logits is None:
             w.seconds += time.perf_counter() - t0
             return None
@@ -188,3 +204,46 @@ def forget(worker, req_ids) -> None:
     if isinstance(w, Witness):
         for rid in req_ids:
             w.rows.pop(rid, None)
+            w.vllm_top.pop(rid, None)
+
+
+def watch_logits(worker) -> bool:
+    """Keep vLLM's own log-probabilities at each captured request's checked position: where the
+    sampling parameters are the client's (a server), the sampled token is no argmax, so the check
+    sets ours against the distribution vLLM sampled from. Wraps this worker's ``compute_logits``
+    (the capturing rank of the last stage): the logits of a step come one row a request, in the
+    step's order (the order every row of the step was attributed by). Returns whether it watches."""
+    w = getattr(worker, "_compat_witness", None)
+    st = getattr(worker, "_compat_capture", None)
+    if not isinstance(w, Witness) or not w.capture or st is None:
+        return False
+    orig = w.model.compute_logits
+    if getattr(orig, "__wrapped__", None) is not None:
+        return True
+
+    def compute_logits(hidden_states, *args, **kwargs):
+        logits = orig(hidden_states, *args, **kwargs)
+        if not w.checking and logits is not None and st.layout is not None:
+            _keep_vllm_top(w, st, logits)
+        return logits
+
+    compute_logits.__wrapped__ = orig  # type: ignore[attr-defined]
+    w.model.compute_logits = compute_logits
+    return True
+
+
+def _keep_vllm_top(w: Witness, st, logits) -> None:
+    req_ids, counts, starts = st.layout
+    rows = [i for i, rid in enumerate(req_ids) if counts[i] and st.check_at.get(rid)]
+    if logits.shape[0] != len(req_ids) or not rows:
+        return  # (not one row a request: a step this check cannot read; the request then fails its check)
+    # (the logits row of a request is at its last position in the step)
+    pick = [i for i in rows if starts[i] + counts[i] == st.check_at[req_ids[i]]]
+    if not pick:
+        return
+    with torch.inference_mode():
+        lp = logits[pick].float().log_softmax(dim=-1)
+        vals, ids = lp.topk(min(TOP_K, lp.shape[-1]), dim=-1)
+        ids, vals = ids.cpu().tolist(), vals.cpu().tolist()
+    for i, a, b in zip(pick, ids, vals):
+        w.vllm_top[req_ids[i]] = (a, b)

@@ -142,6 +142,7 @@ class CaptureExtension:
         st = getattr(self, "_compat_capture", None)
         if st is not None:
             st.expected.clear()
+            st.check_at.clear()
             st.order.clear()
             st.segments.clear()
             st.regions.clear()

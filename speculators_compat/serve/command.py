@@ -1,30 +1,52 @@
 """``speculators-compat serve --model M --hidden-states-path DIR [--layer-ids ...] [--states-dtype fp8]
-[engine options as extract] [--host H --port P] [--served-model-name N]``.
+[engine options as extract] [--host H --port P] [any other vllm serve flag]``: vLLM's own OpenAI
+server (every endpoint, flag, ``--api-key``, metrics) with the capture connector configured
+(connector/), the render endpoints on (``--enable-scale-out``: speculators' ``prepare-data
+--render-endpoint``) and our file routes and request guards as its middleware (files.py).
 
-Checks what it can before the engine starts (the model's files, the layer ids, the output folder),
-starts the engine and its continuous loop, then uvicorn. SIGTERM or Ctrl-C: uvicorn stops taking
-connections and lets the requests in flight finish, then the loop and the engine shut down.
+It checks what it can before vLLM starts (the model's files, the layer ids, the folder), removes
+what dead writers left in the folder, and then runs ``vllm serve`` in this process. Flags it does
+not know go to vLLM unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import sys
 
 logger = logging.getLogger("speculators_compat.serve")
 
-DRAIN_S = 60.0  # how long a shutdown waits for requests in flight
+CONNECTOR = "CaptureConnector"
+CONNECTOR_MODULE = "speculators_compat.connector"
+MIDDLEWARE = "speculators_compat.serve.files.HiddenStatesFiles"
+#: our engine flags that vLLM's server takes under the same name
+VLLM_FLAGS = (
+    "tensor_parallel_size",
+    "distributed_executor_backend",
+    "max_model_len",
+    "dtype",
+    "quantization",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "gpu_memory_utilization",
+    "nnodes",
+    "master_addr",
+    "master_port",
+)
+SWITCHES = ("trust_remote_code", "enable_expert_parallel")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from ..pipeline.options import add_model_args
 
-    add_model_args(p)
+    add_model_args(p)  # (with the flags of one engine over several hosts)
     p.add_argument(
         "--hidden-states-path",
         required=True,
-        help="where each request's hs file is written (the path its response names)",
+        help="where each captured request's hs file is written (the path its response names)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -32,63 +54,111 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-self-check",
         action="store_true",
-        help="skip the per-request check of the sampled token against the captured state",
+        help="skip the per-request check of each captured state against vLLM's own log-probabilities",
+    )
+    p.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=32.0,
+        help="the largest request body taken, in MiB (a larger one is answered 413)",
     )
 
 
-def build(args: argparse.Namespace):
-    """(generator, loop, service) for ``args``: everything but the HTTP server."""
+def connector_config(args: argparse.Namespace, native_ids: list[int]) -> dict:
+    """vLLM's ``--kv-transfer-config`` for our connector."""
+    extra = {
+        "shared_storage_path": os.path.abspath(args.hidden_states_path),
+        "layer_ids": native_ids,
+        "states_dtype": args.states_dtype,
+        "self_check": not args.no_self_check,
+    }
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def vllm_argv(args: argparse.Namespace, native_ids: list[int], rest: list[str]) -> list[str]:
+    """``vllm serve``'s arguments for ``args`` plus the flags we do not know (``rest``, last: a
+    flag given there wins)."""
+    argv = ["serve", args.model, "--host", args.host, "--port", str(args.port)]
+    for name in VLLM_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None and not (name == "nnodes" and value == 1):
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    argv += ["--" + n.replace("_", "-") for n in SWITCHES if getattr(args, n, False)]
+    if args.served_model_name:
+        argv += ["--served-model-name", args.served_model_name]
+    argv += ["--enforce-eager", "--no-enable-prefix-caching", "--enable-scale-out"]
+    argv += ["--kv-transfer-config", json.dumps(connector_config(args, native_ids))]
+    argv += ["--middleware", MIDDLEWARE]
+    return argv + list(rest)
+
+
+def api_keys(rest: list[str]) -> list[str]:
+    """The keys vLLM's server will take (``--api-key`` among the passed flags, else VLLM_API_KEY)."""
+    keys = []
+    for i, a in enumerate(rest):
+        if a == "--api-key" and i + 1 < len(rest):
+            keys += [k for k in rest[i + 1 :] if not k.startswith("--")][:1]
+        elif a.startswith("--api-key="):
+            keys.append(a.split("=", 1)[1])
+    return keys or [k for k in [os.environ.get("VLLM_API_KEY")] if k]
+
+
+def request_reserve(args: argparse.Namespace, layers: int) -> int:
+    """Bytes one request of ``max_model_len`` tokens needs in the folder (what the 507 guard asks)."""
+    path = os.path.join(args.model, "config.json")
+    cfg = json.loads(open(path).read()) if os.path.isfile(path) else {}
+    text = cfg.get("text_config") or {}
+    hidden = int(cfg.get("hidden_size") or text.get("hidden_size") or 0)
+    width = 1 if args.states_dtype == "fp8" else 4 if args.dtype == "float32" else 2
+    per_token = layers * hidden * width + (4 if args.states_dtype == "fp8" else 0) + 8
+    return int(args.max_model_len) * per_token + (1 << 20)
+
+
+def prepare(args: argparse.Namespace, rest: list[str]) -> list[str]:
+    """Everything before vLLM starts: checks, the sweep, the middleware's settings; vLLM's argv."""
     from ..checkpoint import check_checkpoint
-    from ..engine.stream import StreamingLoop
-    from ..generator import VllmHiddenStatesGenerator
+    from ..files import locks
     from ..layers import read_num_layers
     from ..layers import resolve as resolve_layers
-    from ..pipeline.options import ENGINE_ARGS
-    from .service import Service
 
+    if int(args.pipeline_parallel_size or 1) > 1:
+        raise ValueError("serve captures in one pipeline stage: use --tensor-parallel-size (pipeline stages: extract)")
     check_checkpoint(args.model)
     n = read_num_layers(args.model, args.trust_remote_code)
-    ids = resolve_layers(args.layer_ids, n, args.layer_id_convention, "speculators-hs")  # vLLM's ids
-    os.makedirs(args.hidden_states_path, exist_ok=True)
-    if not os.access(args.hidden_states_path, os.W_OK):
-        raise ValueError(f"--hidden-states-path {args.hidden_states_path} is not writable")
-    engine = {k: getattr(args, k) for k in ENGINE_ARGS if hasattr(args, k) and getattr(args, k) is not None}
-    gen = VllmHiddenStatesGenerator(
-        args.model,
-        layer_ids=ids,
-        layer_id_convention="upstream",
-        on_overlength="error",
-        self_check=not args.no_self_check,
-        **engine,
+    ids = resolve_layers(args.layer_ids, n, args.layer_id_convention, "speculators-hs")  # upstream's
+    native = [i + 1 for i in ids]  # (the connector takes vLLM's ids)
+    folder = args.hidden_states_path
+    os.makedirs(folder, exist_ok=True)
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--hidden-states-path {folder} is not writable")
+    swept = locks.sweep(folder)
+    print(
+        f"speculators-compat serve: {swept['locks']} stale lock(s) and {swept['partials']} temporary file(s) "
+        f"removed from {folder}",
+        file=sys.stderr,
     )
-    loop = StreamingLoop(gen.engine)
-    name = args.served_model_name or args.model
-    return gen, loop, Service(gen, loop, args.hidden_states_path, name)
+    from .files import SETTINGS_ENV
+
+    settings = {
+        "folder": os.path.abspath(folder),
+        "tokens": api_keys(rest),
+        "max_body": int(args.max_request_mb * (1 << 20)),
+        "reserve": request_reserve(args, len(ids)),
+    }
+    os.environ[SETTINGS_ENV] = json.dumps(settings)
+    return vllm_argv(args, native, rest)
 
 
-def main_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def main_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    argv = prepare(args, rest)
+    logger.info("vllm %s", " ".join(argv))
+    from vllm.entrypoints.cli.main import main as vllm_main
 
-    from .app import build_app
-
-    gen, loop, service = build(args)
-    try:
-        app = build_app(service)
-        logger.info(
-            "serving %s (layers %s, states %s) on http://%s:%d; files in %s",
-            service.model_name,
-            gen.layer_ids,
-            service.states_dtype,
-            args.host,
-            args.port,
-            args.hidden_states_path,
-        )
-        config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=int(DRAIN_S))
-        try:
-            uvicorn.Server(config).run()  # (returns once SIGTERM / Ctrl-C drained the requests in flight)
-        except KeyboardInterrupt:  # uvicorn raises the signal it drained for again: the shutdown it asked for
-            logger.info("requests in flight answered; shutting the engine down")
-    finally:
-        loop.close(drain_s=DRAIN_S)
-        gen.close()
+    sys.argv = ["vllm", *argv]
+    vllm_main()
     return 0

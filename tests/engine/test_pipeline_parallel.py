@@ -250,23 +250,3 @@ def test_upstream_class_at_pp2():
     out, log = run_snippet(UPSTREAM_PP2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=600)
     assert out is not None, log[-3000:]
     assert out["stages"] == [[1], [3, 5]] and out["order"] and out["bad"] == 0, out
-
-
-def test_serve_loop_at_pp2(llama_path, hf_ref, monkeypatch):
-    """``serve``'s continuous loop (engine/stream.py) over PP=2: prompts submitted one by one while
-    others are in flight, on both stages at once, each taken from both stages when it is done and
-    HF-right; every one self-checked on the last stage."""
-    from speculators_compat.engine.stream import StreamingLoop
-    from tests.engine.test_stream import submit_staggered
-
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    stream = models.random_prompts([5, 300, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200, 3, 70, 44, 17], seed=14)
-    with pp_generator(llama_path, max_num_batched_tokens=128, max_num_seqs=4) as g:
-        lp = StreamingLoop(g.engine)
-        try:
-            got = [f.result(timeout=600) for f in submit_staggered(lp, stream)]
-        finally:
-            lp.close()
-        assert g.engine.self_check_stats.as_dict()["checked"] == len(stream)
-    worst, bad = reference.compare([x.states for x in got], stream, hf_ref(llama_path, LAYERS), TOL)
-    assert not bad, (worst, bad[:3])
