@@ -64,14 +64,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def connector_config(args: argparse.Namespace, native_ids: list[int]) -> dict:
+def connector_config(args: argparse.Namespace, native_ids: list[int] | None) -> dict:
     """vLLM's ``--kv-transfer-config`` for our connector."""
     extra = {
         "shared_storage_path": os.path.abspath(args.hidden_states_path),
-        "layer_ids": native_ids,
         "states_dtype": args.states_dtype,
         "self_check": not args.no_self_check,
     }
+    if native_ids is not None:  # (none given: the connector's default, the same rule)
+        extra["layer_ids"] = native_ids
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -80,7 +81,7 @@ def connector_config(args: argparse.Namespace, native_ids: list[int]) -> dict:
     }
 
 
-def vllm_argv(args: argparse.Namespace, native_ids: list[int], rest: list[str]) -> list[str]:
+def vllm_argv(args: argparse.Namespace, native_ids: list[int] | None, rest: list[str]) -> list[str]:
     """``vllm serve``'s arguments for ``args`` plus the flags we do not know (``rest``, last: a
     flag given there wins)."""
     argv = ["serve", args.model, "--host", args.host, "--port", str(args.port)]
@@ -131,7 +132,7 @@ def prepare(args: argparse.Namespace, rest: list[str]) -> list[str]:
     check_checkpoint(args.model)
     n = read_num_layers(args.model, args.trust_remote_code)
     ids = resolve_layers(args.layer_ids, n, args.layer_id_convention, "speculators-hs")  # upstream's
-    native = [i + 1 for i in ids]  # (the connector takes vLLM's ids)
+    native = [i + 1 for i in ids] if args.layer_ids is not None else None  # (the connector takes vLLM's ids)
     folder = args.hidden_states_path
     os.makedirs(folder, exist_ok=True)
     if not os.access(folder, os.W_OK):

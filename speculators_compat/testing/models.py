@@ -105,6 +105,17 @@ SPECS["llama-1b"] = (
 )
 
 
+# A Llama with a byte-level BPE tokenizer that round-trips text and a ChatML chat template: for the
+# chat, render and regeneration steps of speculators >= 0.5's pipeline (the word-level tokenizer of
+# the others maps most text to <unk>).
+CHAT_VOCAB = 512
+SPECS["llama-chat"] = ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, vocab_size=CHAT_VOCAB, rope_theta=10000.0))
+CHAT_SPECIAL = ["<unk>", "<s>", "<|im_end|>", "<pad>", "<|im_start|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 #: checkpoints made from another tiny model: name -> (source model, what is done to it)
 DERIVED = {
     # the source's DeepSeek-V3 text model inside Kimi-K2.5's multimodal wrapper (testing/kimi.py)
@@ -181,7 +192,7 @@ def _build_into(name: str, d: Path) -> None:
     model = model.to(save_dtype)
     model.config.torch_dtype = save_dtype
     model.save_pretrained(d, safe_serialization=True)
-    save_tokenizer(d)
+    save_chat_tokenizer(d) if name == "llama-chat" else save_tokenizer(d)
 
 
 def save_tokenizer(d: Path) -> None:
@@ -196,6 +207,39 @@ def save_tokenizer(d: Path) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+    fast.save_pretrained(d)
+
+
+def save_chat_tokenizer(d: Path) -> None:
+    """A byte-level BPE of ``CHAT_VOCAB`` ids trained on a fixed text (any text round-trips:
+    unseen words fall back to bytes), eos ``<|im_end|>`` = 2, with ``CHAT_TEMPLATE``."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = (
+        "the a of to and in is it you that he was for on are with as his they be at one have this from "
+        "or had by hot word but what some we can out other were all there when up use your how said an "
+        "each she which do their time if will way about many then them write would like so these her "
+        "long make thing see him two has look more day could go come did number sound no most people"
+    ).split()
+    rng = random.Random(7)
+    text = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + rng.choice(".?!") for _ in range(400)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=CHAT_VOCAB,
+        special_tokens=CHAT_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(d)
 
 
