@@ -1,5 +1,6 @@
-"""The package's shape: dependencies flow one way (cli -> pipeline -> generator -> engine -> host
-facts, errors, settings; patches may use the engine, never the reverse; inside the pipeline,
+"""The package's shape: dependencies flow one way (cli -> serve -> pipeline -> generator and
+connector -> files -> engine -> host facts, errors, settings; patches may use the engine, never the
+reverse; inside the pipeline,
 scale/ -> extract -> writers/ -> output/ -> dataset, ranks), no import cycle between its modules
 (function-level imports included), and no function past the size a reader holds in mind (a cap
 on modules only pushed code into long functions). Read from the source with ast: nothing is
@@ -52,6 +53,8 @@ def test_the_engine_never_imports_its_consumers():
         "speculators_compat.cli",
         "speculators_compat.launcher",
         "speculators_compat.serve",
+        "speculators_compat.connector",
+        "speculators_compat.files",
     )
     bad = {
         m: sorted(d for d in deps if d.startswith(banned))
@@ -76,6 +79,23 @@ def test_layers_below_never_import_layers_above():
             "speculators_compat.serve",
         ),
         "speculators_compat.serve": ("speculators_compat.cli",),
+        # the capture connector runs inside vLLM's processes: the engine and the files, nothing above
+        "speculators_compat.connector": (
+            "speculators_compat.pipeline",
+            "speculators_compat.generator",
+            "speculators_compat.patches",
+            "speculators_compat.cli",
+            "speculators_compat.serve",
+        ),
+        # one room for output files, below every writer of them
+        "speculators_compat.files": (
+            "speculators_compat.pipeline",
+            "speculators_compat.generator",
+            "speculators_compat.connector",
+            "speculators_compat.patches",
+            "speculators_compat.cli",
+            "speculators_compat.serve",
+        ),
     }
     for low, above in order.items():
         for m, deps in g.items():
