@@ -11,9 +11,15 @@ released), the file then deleted (as speculators' online trainer does):
             ExampleHiddenStatesConnector (on a CPU its CPU stand-in: native_cpu_connector.py)
   generate  in-process VllmHiddenStatesGenerator.generate() over the same prompts in batches of C:
             what the server adds to the engine
-Per contender and concurrency: requests/s, prompt tokens/s, p50 / p99 latency. One server at a time;
-on a CPU every engine gets the same thread binding and reserved cores.
+Per contender and concurrency: requests/s, prompt tokens/s, p50 / p99 latency, each line printed as
+soon as it is measured. One server at a time; on a CPU every engine gets the same thread binding and
+reserved cores.
     python benchmarks/serve.py --model llama --prompts 64 --seq-mixed 64,512 --concurrency 1,8,32
+
+``--long 32768,120000`` (a GPU): one prompt of each length through ``serve`` and through plain
+``vllm serve`` (no connector, the same settings), the model's ``max_position_embeddings`` raised to
+fit; the device's peak memory in use during each request (nvidia-smi, every 20 ms) above what it
+held idle, and the ratio serve / plain.
 """
 
 from __future__ import annotations
@@ -79,10 +85,12 @@ async def load(url: str, model: str, prompts: list[list[int]], c: int) -> dict:
             r = await client.completions.create(
                 model=model, prompt=ids, max_tokens=1, extra_body={"return_token_ids": True}
             )
-            path = r.kv_transfer_params["hidden_states_path"]
-            await asyncio.to_thread(native.wait_complete, path)
+            params = getattr(r, "kv_transfer_params", None)  # (none from a server without a connector)
+            path = params["hidden_states_path"] if params else None
+            if path:
+                await asyncio.to_thread(native.wait_complete, path)
             lat.append(time.perf_counter() - t)
-            for p in (path, path + ".lock"):
+            for p in (path, f"{path}.lock") if path else ():
                 if os.path.exists(p):
                     os.unlink(p)
 
@@ -108,8 +116,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--layers", default=None, help="vLLM's layer ids (default: speculators >= 0.5's)")
     ap.add_argument("--no-native", action="store_true")
+    ap.add_argument("--no-generate", action="store_true")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--long", default=None, help="prompt lengths for the device-memory case (see above)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    if a.long:
+        return long_prompts(a)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # equal thread binding and reserved cores for every engine (throughput.py says why)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
@@ -138,10 +151,16 @@ def main(argv=None) -> int:
         "--max-num-batched-tokens",
         str(a.max_num_batched_tokens),
     ]
+    if a.gpu_memory_utilization:
+        common += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    print(
+        json.dumps({"model": a.model, "prompts": a.prompts, "seq": a.seq_mixed, "dtype": a.dtype, "layers": vllm_ids})
+    )
 
     port = free_port()
     cmd = [sys.executable, "-m", "speculators_compat.cli", "serve", "--model", path, "--port", str(port)]
-    cmd += ["--hidden-states-path", os.path.join(tmp, "ours"), "--layer-ids", ",".join(map(str, vllm_ids)), *common]
+    cmd += ["--hidden-states-path", os.path.join(tmp, "ours"), *common]
+    cmd += ["--layer-ids", ",".join(map(str, vllm_ids))] if a.layers else []  # (else: the same default)
     cmd += ["--served-model-name", "m"]
     rows.update(_run_server("serve", cmd, port, prompts, cs, os.path.join(tmp, "serve.log")))
     if not a.no_native:
@@ -149,7 +168,7 @@ def main(argv=None) -> int:
         import native
 
         store = os.path.join(tmp, "native")
-        kw = native.engine_kwargs(store, vllm_ids, cuda=False)
+        kw = native.engine_kwargs(store, vllm_ids, cuda=_cuda())
         port = free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port)]
         cmd += ["--served-model-name", "m", "--enforce-eager", "--no-enable-prefix-caching", *common]
@@ -157,10 +176,8 @@ def main(argv=None) -> int:
         cmd += ["--kv-transfer-config", json.dumps(kw["kv_transfer_config"])]
         env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
         rows.update(_run_server("native", cmd, port, prompts, cs, os.path.join(tmp, "native.log"), env))
-    rows.update(_run_generate(path, upstream, prompts, cs, a, max_len))
-    print(
-        json.dumps({"model": a.model, "prompts": a.prompts, "seq": a.seq_mixed, "dtype": a.dtype, "layers": vllm_ids})
-    )
+    if not a.no_generate:
+        rows.update(_run_generate(path, upstream, prompts, cs, a, max_len))
     print("| contender | concurrency | requests/s | tokens/s | p50 s | p99 s |")
     print("|---|---|---|---|---|---|")
     for k, r in rows.items():
@@ -173,9 +190,10 @@ def main(argv=None) -> int:
             print(
                 f"serve / native at {c}: {rows[f'serve@{c}']['tokens_per_s'] / rows[f'native@{c}']['tokens_per_s']:.3f}"
             )
-        print(
-            f"serve / generate at {c}: {rows[f'serve@{c}']['tokens_per_s'] / rows[f'generate@{c}']['tokens_per_s']:.3f}"
-        )
+        if f"generate@{c}" in rows:
+            print(
+                f"serve / generate at {c}: {rows[f'serve@{c}']['tokens_per_s'] / rows[f'generate@{c}']['tokens_per_s']:.3f}"
+            )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "args": {k: v for k, v in vars(a).items() if k != "json"}}, f, indent=1)
@@ -190,6 +208,7 @@ def _run_server(name, cmd, port, prompts, cs, log, env=None) -> dict:
         asyncio.run(load(url, "m", prompts[: max(cs)], max(cs)))  # warm-up
         for c in cs:
             out[f"{name}@{c}"] = asyncio.run(load(url, "m", prompts, c))
+            print(f"MEASURED {name}@{c} {json.dumps(out[f'{name}@{c}'])}", flush=True)
     finally:
         stop(proc)
     return out
@@ -209,9 +228,103 @@ def _run_generate(path, layer_ids, prompts, cs, a, max_len) -> dict:
             for i in range(0, len(prompts), c):
                 gen.generate(prompts[i : i + c])
             out[f"generate@{c}"] = {"tokens_per_s": round(sum(map(len, prompts)) / (time.perf_counter() - t), 1)}
+            print(f"MEASURED generate@{c} {json.dumps(out[f'generate@{c}'])}", flush=True)
     finally:
         gen.close()
     return out
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _device_used_mib() -> int:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True
+    )
+    return int(out.stdout.split()[0])
+
+
+def _peak_during(fn) -> tuple[int, float]:
+    """(peak device MiB in use while ``fn()`` runs, its seconds), nvidia-smi every 20 ms."""
+    import threading
+
+    peak, done = [0], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            peak[0] = max(peak[0], _device_used_mib())
+            time.sleep(0.02)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    t0 = time.perf_counter()
+    try:
+        fn()
+    finally:
+        done.set()
+        t.join()
+    return peak[0], time.perf_counter() - t0
+
+
+def long_prompts(a) -> int:
+    """One prompt of each --long length through serve and plain vllm serve: peak device memory."""
+    import shutil
+
+    from speculators_compat.testing import models
+
+    lengths = [int(x) for x in a.long.split(",")]
+    src = a.model if os.path.isdir(a.model) else str(models.build(a.model))
+    path = tempfile.mkdtemp(prefix="sc-long-model-")
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    max_len = max(lengths) + 16
+    cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    prompts = models.random_prompts(lengths, seed=3, vocab=cfg["vocab_size"])
+    tmp = tempfile.mkdtemp(prefix="sc-long-")
+    common = [
+        "--dtype",
+        a.dtype,
+        "--max-model-len",
+        str(max_len),
+        "--max-num-batched-tokens",
+        str(a.max_num_batched_tokens),
+    ]
+    common += ["--gpu-memory-utilization", str(a.gpu_memory_utilization or 0.5), "--served-model-name", "m"]
+    port = free_port()
+    ours = [sys.executable, "-m", "speculators_compat.cli", "serve", "--model", path, "--port", str(port)]
+    ours += ["--hidden-states-path", os.path.join(tmp, "hs"), *common]
+    plain = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port)]
+    plain += ["--enforce-eager", "--no-enable-prefix-caching", *common]
+    rows = {}
+    for name, cmd in (("plain", plain), ("serve", ours)):
+        proc = start(cmd, port, os.path.join(tmp, f"{name}.log"))
+        try:
+            idle = _device_used_mib()
+            for ids in prompts:
+                peak, secs = _peak_during(lambda ids=ids: asyncio.run(load(f"http://127.0.0.1:{port}", "m", [ids], 1)))
+                rows[f"{name}@{len(ids)}"] = {
+                    "idle_mib": idle,
+                    "peak_mib": peak,
+                    "above_idle_mib": peak - idle,
+                    "s": round(secs, 2),
+                }
+                print(f"MEASURED {name}@{len(ids)} {json.dumps(rows[f'{name}@{len(ids)}'])}", flush=True)
+        finally:
+            stop(proc)
+    for n in lengths:
+        s_, p_ = rows[f"serve@{n}"], rows[f"plain@{n}"]
+        print(f"peak device memory serve / plain at {n} tokens: {s_['peak_mib'] / p_['peak_mib']:.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"long": rows}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
