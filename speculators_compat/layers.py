@@ -9,6 +9,11 @@ default ids, and the two conventions.
     ``i`` decoder layers, i.e. upstream id ``i - 1``; ``i = n`` is the last layer. Id 0 (the
     embeddings) is not captured.
 
+The final state after the model's last norm (what HF's ``output_hidden_states[-1]`` holds, and what
+drafters that train on the normed state take) is one more id, one past the last layer: ``n`` in
+upstream's convention, ``n + 1`` in vLLM's (``final_layer_id``). speculators' EAGLE-3 trainers take
+the last layer's output *before* the norm as the verifier's state (``n - 1`` / ``n``).
+
 speculators >= 0.5 (``--format speculators-hs``) names ids in vLLM's convention and defaults to
 ``[2, n//2, n-3, n]``. Upstream's (0.3.x/0.4.x) default ids are ``[2, n//2, n-3, n-1]``
 (Kimi-K2.5, n=61: ``[2, 30, 58, 60]``), which are vLLM native ``[3, 31, 59, 61]``.
@@ -62,6 +67,11 @@ def read_num_layers(model_path: str, trust_remote_code: bool = False) -> int:
     return int(n)
 
 
+def final_layer_id(num_layers: int, convention: str = "upstream") -> int:
+    """The id of the final state after the model's norm: one past the last decoder layer."""
+    return num_layers + 1 if convention == "eagle3" else num_layers
+
+
 def default_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3, num_layers - 1]
 
@@ -93,15 +103,18 @@ def normalize_layer_ids(
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise ValueError(f"duplicate layer ids {dup}")
     if convention == "eagle3":
-        bad = [i for i in ids if not 1 <= i <= num_layers]
+        bad = [i for i in ids if not 1 <= i <= num_layers + 1]
         if bad:
             raise ValueError(
-                f"eagle3 layer ids {bad} out of range [1, {num_layers}] (id 0, the embeddings, is not captured)"
+                f"eagle3 layer ids {bad} out of range [1, {num_layers + 1}] (id 0, the embeddings, is not "
+                f"captured; {num_layers + 1} is the final state after the norm)"
             )
         return [i - 1 for i in ids]
-    bad = [i for i in ids if not 0 <= i < num_layers]
+    bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
-        raise ValueError(f"Layer index {bad[0]} out of bounds [0, {num_layers - 1}]")
+        raise ValueError(
+            f"Layer index {bad[0]} out of bounds [0, {num_layers}] ({num_layers}: the final state after the norm)"
+        )
     return ids
 
 

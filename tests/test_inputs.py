@@ -89,7 +89,7 @@ def test_numpy_batches():
         ([], ValueError, "empty"),
         ([1, 1], ValueError, "duplicate layer ids \\[1\\]"),
         ([-1], ValueError, "out of bounds"),
-        ([6], ValueError, "out of bounds \\[0, 5\\]"),
+        ([7], ValueError, "out of bounds \\[0, 6\\] \\(6: the final state after the norm\\)"),
         ([1.0], TypeError, "integers"),
         (3, TypeError, "layer_ids must be a list of integers, not int"),
         ("2", TypeError, "layer_ids must be a list of integers, not str"),
@@ -107,3 +107,13 @@ def test_layer_conventions():
         normalize_layer_ids([0], 61, "eagle3")
     with pytest.raises(ValueError, match="layer_id_convention"):
         normalize_layer_ids([1], 6, "hf")
+
+
+def test_the_final_state_after_the_norm_is_one_past_the_last_layer():
+    from speculators_compat.layers import final_layer_id
+
+    assert final_layer_id(61) == 61 and final_layer_id(61, "eagle3") == 62
+    assert normalize_layer_ids([3, 61, 62], 61, "eagle3") == [2, 60, 61]  # last layer (pre-norm), final (post-norm)
+    assert normalize_layer_ids([60, 61], 61) == [60, 61]
+    with pytest.raises(ValueError, match="62 is the final state after the norm"):
+        normalize_layer_ids([63], 61, "eagle3")

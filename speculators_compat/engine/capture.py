@@ -115,6 +115,7 @@ class _CaptureState:
     fp8: bool = False  # store e4m3 rows and per-token float32 scales (module docstring)
     pending: dict = field(default_factory=dict)  # fp8: layer id -> this step's unquantized kept rows
     stage: int = 0  # this worker's pipeline stage
+    final: int = -1  # the id of the final state after the norm (the decoder layer count; layers.py)
 
     @property
     def store_dtype(self):
@@ -161,9 +162,14 @@ def install_capture(
     model = runner.model
     base = find_base_model(model)
     n = len(base.layers)
-    bad = [i for i in layer_ids if not 0 <= i < n]
+    bad = [i for i in layer_ids if not 0 <= i <= n]
     if bad:
-        raise ValueError(f"layer ids {bad} out of range: the model has {n} decoder layers (0..{n - 1})")
+        raise ValueError(
+            f"layer ids {bad} out of range: the model has {n} decoder layers (0..{n - 1}; {n}: the final state "
+            "after the norm)"
+        )
+    if n in layer_ids and (record_all or not isinstance(getattr(base, "norm", None), torch.nn.Module)):
+        raise ValueError(f"the final state after the norm (id {n}) cannot be captured here")
     info = {
         "num_layers": n,
         "base_model": type(base).__name__,
@@ -178,7 +184,8 @@ def install_capture(
     info["runner_kind"] = kind
     stage = pipeline_stage()
     first, end = int(getattr(base, "start_layer", 0)), int(getattr(base, "end_layer", n))
-    own = [i for i in layer_ids if first <= i < end]  # the captured layers this stage computes
+    # the captured layers this stage computes (the final norm's on the last stage)
+    own = [i for i in layer_ids if first <= i < end or (i == n and end == n)]
     info.update(stage=stage.rank, stages=stage.size, stage_layers=own, layer_range=[first, end])
     if stage.size > 1 and (record_all or fp8):
         raise ValueError(
@@ -196,7 +203,7 @@ def install_capture(
         return info
     shared = handoff_prefix is not None and shares_driver_shm(handoff_prefix)
     prefix = None if not shared else handoff_prefix + (f"s{stage.rank}-" if stage.size > 1 else "")
-    st = _CaptureState(layer_ids=own, record_all=record_all, runner_kind=kind, fp8=fp8, stage=stage.rank)
+    st = _CaptureState(layer_ids=own, record_all=record_all, runner_kind=kind, fp8=fp8, stage=stage.rank, final=n)
     mc = getattr(runner, "model_config", None)
     if mc is not None:
         st.hidden, st.dtype = int(mc.get_hidden_size()), mc.dtype
@@ -204,20 +211,25 @@ def install_capture(
     st.arena = Arena(prefix, pin=on_gpu)
     worker._compat_capture = st
     _wrap_runner(runner, st)
-    # vLLM's @support_torch_compile replaces the decoder stack's __call__, so hooks on the stack
-    # itself never fire; its layers are plain modules. The first layer's pre-hook reads the step
-    # layout; once the last captured layer ran, the rows are split by request.
-    st.handles.append(base.layers[first].register_forward_pre_hook(_make_pre_forward(runner, st), with_kwargs=True))
-    distribute = _make_distribute(st)
-    for lid in sorted(set(own)):
-        st.handles.append(base.layers[lid].register_forward_hook(_make_layer_hook(st, lid, distribute)))
-    # the self-check's rows: the arena's when it holds the final layer unquantized, else its own hook's
-    if isinstance(w, witness.Witness) and (w.last not in own or fp8):  # (runs after the captured layers')
-        st.handles.append(base.layers[w.last].register_forward_hook(witness.make_last_row_hook(st, w)))
+    _install_hooks(st, runner, base, first, w)
     info["capturing"] = bool(own)
     info["handoff"] = "shm" if prefix else "rpc"
     info["states_dtype"] = "fp8" if fp8 else "auto"
     return info
+
+
+def _install_hooks(st: _CaptureState, runner, base, first: int, w) -> None:
+    """vLLM's @support_torch_compile replaces the decoder stack's __call__, so hooks on the stack
+    itself never fire; its layers are plain modules. The first layer's pre-hook reads the step
+    layout; once the last captured layer (or the final norm) ran, the rows are split by request."""
+    st.handles.append(base.layers[first].register_forward_pre_hook(_make_pre_forward(runner, st), with_kwargs=True))
+    distribute = _make_distribute(st)
+    for lid in sorted(set(st.layer_ids)):
+        module = base.norm if lid == st.final else base.layers[lid]
+        st.handles.append(module.register_forward_hook(_make_layer_hook(st, lid, distribute)))
+    # the self-check's rows: the arena's when it holds the final layer unquantized, else its own hook's
+    if isinstance(w, witness.Witness) and (w.last not in st.layer_ids or st.fp8):  # (after the captured layers')
+        st.handles.append(base.layers[w.last].register_forward_hook(witness.make_last_row_hook(st, w)))
 
 
 def _moe_local_experts(model) -> int | None:
@@ -487,8 +499,8 @@ def _store_rows(st: _CaptureState, output: Any, lid: int) -> list[tuple[int, int
     offset) for each kept entry of the plan, in its order. FP8: the rows are kept on the device
     for ``_quantize_step`` instead (None)."""
     source, _ = st.plan
-    if isinstance(output, tuple):
-        hidden, residual = output[0], (output[1] if len(output) > 1 else None)
+    if isinstance(output, tuple):  # (the final norm's second output is the sum it normed: not added)
+        hidden, residual = output[0], (output[1] if len(output) > 1 and lid != st.final else None)
         if not isinstance(residual, torch.Tensor):
             residual = None
     else:

@@ -39,8 +39,9 @@ class HFReference:
         self._cache: dict[tuple, list] = {}
         base = self.model.model
         self._captured: dict[int, object] = {}
-        for lid in set(self.layer_ids):
-            base.layers[lid].register_forward_hook(self._hook(lid))
+        for lid in set(self.layer_ids):  # (id len(layers): the final state, the norm's output)
+            module = base.norm if lid == len(base.layers) else base.layers[lid]
+            module.register_forward_hook(self._hook(lid))
 
     def _hook(self, lid):
         def hook(module, args, output):

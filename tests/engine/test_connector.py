@@ -15,7 +15,7 @@ from packaging.version import Version
 from speculators_compat.testing import models, reference
 from tests.helpers import run_snippet
 
-LAYERS = [2, 3, 4, 6]  # vLLM's ids (the output of k layers)
+LAYERS = [2, 3, 6, 7]  # vLLM's ids (the output of k layers; 7: the final state after the norm)
 PROMPTS = models.random_prompts([5, 100, 37, 120, 9, 64, 8, 50, 99, 10, 11, 200, 3], seed=3)
 GREEDY = PROMPTS[:4]
 ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # (collective_rpc with our functions: tests only)

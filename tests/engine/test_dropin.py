@@ -12,7 +12,7 @@ from speculators_compat.testing import models, reference
 from tests.helpers import check_generate
 
 TOL = reference.TOLERANCE["float32"]
-LAYERS = [5, 0, 3]  # deliberately unsorted: results follow this order
+LAYERS = [5, 0, 3, 6]  # deliberately unsorted: results follow this order; 6: the final state after the norm
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +156,7 @@ def test_layer_convention_against_hf(gen, llama_path):
     assert rel(got[1], hs[0 + 1][0]) < TOL  # layer 0 == HF hidden_states[1]
     assert rel(got[2], hs[3 + 1][0]) < TOL  # layer 3 == HF hidden_states[4]
     assert rel(got[0], hs[n][0]) > 0.05  # layer n-1: HF's last entry is post-norm, so it differs
+    assert rel(got[3], hs[n][0]) < TOL  # id n: the final state after the norm, HF's last entry
 
 
 def test_eagle3_convention_maps_to_upstream(llama_path):
