@@ -157,4 +157,36 @@ INTERNALS = [
         "0.32 (refused by name where EngineArgs has no nnodes)",
         "medium: vLLM's multi-node mode of the multiprocessing executor",
     ),
+    (
+        "KVConnectorBase_V1 (kv_connector_module_path): build_connector_meta / request_finished(request, block_ids) "
+        "-> (delay_free, kv_transfer_params) / bind_connector_metadata / wait_for_save / get_finished / "
+        "get_finished_count",
+        "the capture connector (connector/): the scheduler side names each captured request's file and tells the "
+        "workers per step; the worker side captures, checks and writes; blocks freed once rank 0 has the rows",
+        "0.32 (tests/engine/test_connector.py, test_serve.py)",
+        "medium: vLLM's connector plugin API, marked experimental in its base class",
+    ),
+    (
+        "SchedulerOutput.scheduled_new_reqs[].(req_id, prompt_token_ids, sampling_params.extra_args, "
+        "num_computed_tokens); scheduled_cached_reqs.resumed_req_ids; Request.(request_id, status, "
+        "prompt_token_ids, all_token_ids, kv_transfer_params)",
+        "which requests to capture, where they start, a preempted one computed again, the file's token ids",
+        "0.32",
+        "low: the fields vLLM's own connectors read",
+    ),
+    (
+        "the model runner as `self` of the caller of KVConnector.register_kv_caches (V1: initialize_kv_cache; "
+        "V2: its KV-connector helper, found further up the stack)",
+        "the connector's worker side reaches the model runner vLLM built (vLLM hands a connector its KV caches, "
+        "not the model)",
+        "0.32",
+        "medium: a refactor of where the caches are registered; fails at start with the connector named",
+    ),
+    (
+        "model.compute_logits(hidden_states) (wrapped on the capturing rank's model instance)",
+        "vLLM's own log-probabilities at each captured request's last prompt position, one logits row a "
+        "request in the step's order, for the self-check under any sampling parameters",
+        "0.32",
+        "low: the method the runner and the self-check both call",
+    ),
 ]

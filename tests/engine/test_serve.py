@@ -290,6 +290,46 @@ def test_speculators_trainer_on_missing_generate_against_serve(server, tmp_path)
     assert set(os.listdir(server["hs"])) == before  # (the trainer deleted every file it asked for)
 
 
+def test_plain_vllm_serve_with_the_connector_alone(chat_model, hf_ref, tmp_path):
+    """docs/serving.md's recipe, verbatim: ``vllm serve`` with the connector and no speculative
+    config serves speculators 0.9.0's ``generate-offline-data``."""
+    import datasets
+
+    hs, port = tmp_path / "hs", free_port()
+    kv = {"kv_connector": "CaptureConnector", "kv_connector_module_path": "speculators_compat.connector",
+          "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(hs), "layer_ids": LAYERS_VLLM}}  # fmt: skip
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", chat_model, "--port", str(port),
+           "--enforce-eager", "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv),
+           "--dtype", "float32", "--max-model-len", "512", "--max-num-batched-tokens", "128"]  # fmt: skip
+    log = open(tmp_path / "vllm.log", "w")  # noqa: SIM115  (closed by stop_server)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    srv = {"proc": proc, "log": log}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while not _up(url):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "vllm.log").read_text()[-3000:]
+            time.sleep(0.5)
+        rows = {"input_ids": PROMPTS[:6], "loss_mask": [[1] * len(p) for p in PROMPTS[:6]]}
+        rows["seq_len"] = [len(p) for p in PROMPTS[:6]]
+        datasets.Dataset.from_dict(rows).with_format("torch").save_to_disk(str(tmp_path / "prepared"))
+        out = tmp_path / "prepared" / "hidden_states"
+        speculators("generate-offline-data", "--endpoint", url + "/v1", "--preprocessed-data",
+                    str(tmp_path / "prepared"), "--output", str(out), "--fail-on-error")  # fmt: skip
+        check_files([out / f"hs_{i}.safetensors" for i in range(6)], PROMPTS[:6], chat_model, hf_ref)
+    finally:
+        stop_server(srv)
+
+
+def _up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     d = tmp_path / "disk"
