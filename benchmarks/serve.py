@@ -69,6 +69,18 @@ def stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def engine_flags(a, max_len: int) -> list[str]:
+    """The engine settings every contender gets."""
+    return [
+        "--dtype",
+        a.dtype,
+        "--max-model-len",
+        str(max_len),
+        "--max-num-batched-tokens",
+        str(a.max_num_batched_tokens),
+    ]
+
+
 async def load(url: str, model: str, prompts: list[list[int]], c: int) -> dict:
     import openai
 
@@ -143,14 +155,7 @@ def main(argv=None) -> int:
     max_len = max(2048, hi + 8)
     tmp = tempfile.mkdtemp(prefix="sc-serve-bench-")
     rows: dict[str, dict] = {}
-    common = [
-        "--dtype",
-        a.dtype,
-        "--max-model-len",
-        str(max_len),
-        "--max-num-batched-tokens",
-        str(a.max_num_batched_tokens),
-    ]
+    common = engine_flags(a, max_len)
     if a.gpu_memory_utilization:
         common += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     print(
@@ -288,14 +293,7 @@ def long_prompts(a) -> int:
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
     prompts = models.random_prompts(lengths, seed=3, vocab=cfg["vocab_size"])
     tmp = tempfile.mkdtemp(prefix="sc-long-")
-    common = [
-        "--dtype",
-        a.dtype,
-        "--max-model-len",
-        str(max_len),
-        "--max-num-batched-tokens",
-        str(a.max_num_batched_tokens),
-    ]
+    common = engine_flags(a, max_len)
     common += ["--gpu-memory-utilization", str(a.gpu_memory_utilization or 0.5), "--served-model-name", "m"]
     port = free_port()
     ours = [sys.executable, "-m", "speculators_compat.cli", "serve", "--model", path, "--port", str(port)]

@@ -28,3 +28,18 @@ def cuda_device_count() -> int:
     except ImportError:
         return 0
     return torch.cuda.device_count() if torch.cuda._is_compiled() else 0
+
+
+def hold_exclusive(path: str, mode: int = 0o644) -> int:
+    """Create ``path`` (if missing) and take an exclusive flock on it without waiting; returns the
+    open descriptor (closing it, or the process dying, lets the lock go). OSError when another
+    holds it."""
+    import fcntl
+
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd

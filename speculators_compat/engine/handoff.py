@@ -44,15 +44,9 @@ def hold_handoff_lock(prefix: str) -> int:
     """Create ``<prefix>lock`` and hold an exclusive flock on it for the engine's life (the fd is
     returned; closing it, or the process dying, releases it). The lock, not a pid, marks the files
     under ``prefix`` as in use: it holds across pid namespaces (containers sharing /dev/shm)."""
-    import fcntl
+    from ..host import hold_exclusive
 
-    fd = os.open(prefix + LOCK_SUFFIX, os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+    return hold_exclusive(prefix + LOCK_SUFFIX, 0o600)
 
 
 def sweep_stale_handoff_files(d: str) -> list[str]:

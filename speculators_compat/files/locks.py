@@ -15,6 +15,8 @@ import fcntl
 import logging
 import os
 
+from ..host import hold_exclusive
+
 logger = logging.getLogger("speculators_compat.files")
 
 LOCK_SUFFIX = ".lock"
@@ -31,13 +33,7 @@ def hold(path: str) -> int:
     it lets the lock go). Creates the folder when it is missing."""
     lp = lock_path(path)
     os.makedirs(os.path.dirname(lp) or ".", exist_ok=True)
-    fd = os.open(lp, os.O_CREAT | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+    return hold_exclusive(lp)
 
 
 def release(fd: int | None, path: str | None = None, remove: bool = False) -> None:

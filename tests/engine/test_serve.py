@@ -330,17 +330,6 @@ def _up(url: str) -> bool:
         return False
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    d = tmp_path / "disk"
-    d.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {p.stderr.strip()}")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=False)
-
-
 def test_fp8_api_key_and_a_full_disk(chat_model, hf_ref, small_disk):
     """``--states-dtype fp8`` files read by hs-connectors' FP8Transfer within fp8's bound of HF;
     ``--api-key`` guards vLLM's API and our file routes; a disk with less room than a request needs
@@ -350,7 +339,8 @@ def test_fp8_api_key_and_a_full_disk(chat_model, hf_ref, small_disk):
     from safetensors.torch import load_file
 
     (transfer,) = from_release("0.9.0", "hs_connectors.transfer")
-    srv = start_server(chat_model, small_disk / "hs", "--states-dtype", "fp8", "--api-key", "k3y")
+    disk = small_disk("4m")
+    srv = start_server(chat_model, disk / "hs", "--states-dtype", "fp8", "--api-key", "k3y")
     try:
         auth = {"Authorization": "Bearer k3y"}
         assert request(srv["url"] + "/v1/models")[0] == 401
@@ -370,8 +360,8 @@ def test_fp8_api_key_and_a_full_disk(chat_model, hf_ref, small_disk):
         ref = hf_ref(chat_model, [k - 1 for k in LAYERS_VLLM])
         worst, bad = reference.compare(states, PROMPTS[:4], ref, 1e-3 + 2**-4)
         assert not bad, (worst, bad[:3])
-        filler = small_disk / "filler"
-        free = shutil.disk_usage(small_disk).free
+        filler = disk / "filler"
+        free = shutil.disk_usage(disk).free
         filler.write_bytes(b"\0" * (free - (256 << 10)))
         body = {"model": chat_model, "prompt": PROMPTS[0], "max_tokens": 1}
         status, out = post(srv["url"] + "/v1/completions", body, headers=auth)

@@ -46,6 +46,20 @@ def call(mw, method, path, body=b"", headers=(), chunks=None):
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
+async def get(mw, path) -> int:
+    """A GET through ``mw`` on the running loop; its status."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(msg):
+        sent.append(msg)
+
+    await mw({"type": "http", "method": "GET", "path": path, "headers": []}, receive, send)
+    return sent[0]["status"]
+
+
 @pytest.fixture
 def folder(tmp_path):
     d = tmp_path / "hs"
@@ -98,31 +112,10 @@ def test_a_held_lock_never_blocks_the_event_loop(folder):
     answered = {}
 
     async def main():
-        async def get():
-            sent = []
-
-            async def receive():
-                return {"type": "http.request", "body": b""}
-
-            async def send(msg):
-                sent.append(msg)
-
-            await mw({"type": "http", "method": "GET", "path": "/a-1.safetensors", "headers": []}, receive, send)
-            answered["file"] = time.monotonic()
-            return sent[0]["status"]
-
-        task = asyncio.create_task(get())
+        task = asyncio.create_task(get(mw, "/a-1.safetensors"))
         await asyncio.sleep(0.2)
         t0 = time.monotonic()
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": b""}
-
-        async def send(msg):
-            sent.append(msg)
-
-        await mw({"type": "http", "method": "GET", "path": "/health", "headers": []}, receive, send)
+        await get(mw, "/health")
         answered["health_s"] = time.monotonic() - t0
         assert not task.done()
         os.close(fd)  # (the lock goes with it)
