@@ -107,7 +107,10 @@ async def load(url: str, model: str, prompts: list[list[int]], c: int) -> dict:
                     os.unlink(p)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts))
+    try:
+        await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await client.close()
     dt = time.perf_counter() - t0
     lat.sort()
     return {
