@@ -117,6 +117,18 @@ class WorkerSide:
         if not self.capturing:
             witness.forget(self.host, rids)
             return
+        try:
+            self._hand_over(finished, verdict)
+        except Exception:  # noqa: BLE001 - a fault of ours fails these requests (logged), not vLLM's engine
+            logger.exception("speculators_compat: capture hand-over failed for requests %s", rids)
+            for f in finished:
+                if f.req_id not in self.done:
+                    locks.release(self.locks.pop(f.req_id, None), f.path, remove=True)
+                    self.done.add(f.req_id)
+
+    def _hand_over(self, finished: list[FinishedCapture], verdict) -> None:
+        """Capturing rank: each finished request judged, then written (or its lock removed)."""
+        rids = [f.req_id for f in finished]
         for f in finished:
             trim(self.host, f.req_id, len(f.token_ids))
         sampled = {r: self._sampled(r) for r in rids}

@@ -149,7 +149,7 @@ def _json_problem(scope, body: bytes) -> str | None:
     kind = (_header(scope, b"content-type") or "").lower()
     if "json" not in kind or body.count(b"[") + body.count(b"{") <= MAX_DEPTH:
         return None
-    depth = deepest = 0
+    depth = 0
     in_str = esc = False
     for b in body:
         if in_str:
@@ -167,7 +167,6 @@ def _json_problem(scope, body: bytes) -> str | None:
                 return f"the request body's JSON is nested deeper than {MAX_DEPTH} levels"
         elif b in (0x5D, 0x7D):
             depth -= 1
-        deepest = max(deepest, depth)
     return None
 
 
