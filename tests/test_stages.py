@@ -146,6 +146,8 @@ def test_plan_prints_each_stage(tmp_path):
     text = format_plan(two)
     assert "tensor parallel 2 x pipeline parallel 2 (4 GPUs)" in text
     assert "stage 0: layers 0..15, captures [2]" in text and "stage 1: layers 16..31, captures [16, 29, 31]" in text
+    final = make_plan(str(tmp_path), pipeline_parallel_size=2, gpu_memory_gib=80, layer_ids=[2, 31, 32])
+    assert [s["captures"] for s in final.stages] == [[2], [31, 32]]  # (32: the final norm's, on the last stage)
 
 
 def test_plan_of_deepseek_v3_fp8_over_two_nodes():

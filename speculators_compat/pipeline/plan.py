@@ -230,7 +230,7 @@ def stage_figures(
                 share = max(0, min(b, hi) - max(a, lo)) / max(1, hi - lo)
             per = share * qz.bytes_of(name, count, routed, dtype_bytes)
             wbytes += per / tp if sharded else per
-        own = [i for i in ids if a <= i < b]
+        own = [i for i in ids if a <= i < b or (i == n and b == n)]  # (id n: the final norm's, last stage)
         out.append(
             {
                 "stage": s,
