@@ -130,7 +130,7 @@ def test_nan_hidden_states_are_caught(llama_path, tmp_path):
 
 def test_bad_constructor_arguments(llama_path, tmp_path):
     with pytest.raises(ValueError, match="out of bounds"):
-        VllmHiddenStatesGenerator(llama_path, layer_ids=[6])
+        VllmHiddenStatesGenerator(llama_path, layer_ids=[7])
     with pytest.raises(ValueError, match="duplicate"):
         VllmHiddenStatesGenerator(llama_path, layer_ids=[1, 1])
     with pytest.raises(FileNotFoundError, match="does not exist"):
