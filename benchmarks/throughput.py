@@ -383,8 +383,9 @@ def main(argv=None) -> int:
 
         return run
 
-    def rec(name, dt):
+    def rec(name, dt):  # (printed as measured: a run cut short keeps what it measured)
         times.setdefault(name, []).append(dt)
+        print(f"MEASURED {name} run {len(times[name])}: {dt:.3f} s, {tokens / dt:,.0f} tokens/s", flush=True)
 
     slabs_made: dict[str, list[int]] = {}  # arena slabs the worker had to make during each timed run
     engine_s: dict[str, list[dict]] = {}  # per timed run: where the engine's time went (s)
