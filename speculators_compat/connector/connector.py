@@ -95,10 +95,14 @@ class CaptureConnector(KVConnectorBase_V1):
         return None  # (the capture hooks took the layers' outputs in the forward)
 
     def wait_for_save(self):
-        if self.has_connector_metadata():
-            self.worker.after_forward(self._get_connector_metadata())
+        return None  # (the step's record is handled in get_finished: see there)
 
     def get_finished(self, finished_req_ids):
+        # Every step ends here, a step with no tokens too; wait_for_save is skipped in those on some
+        # versions (vLLM 0.20's kv_connector_no_forward), and the record that finishes the last
+        # requests of a burst comes in exactly such a step.
+        if self.has_connector_metadata():
+            self.worker.after_forward(self._get_connector_metadata())
         return self.worker.finished_sending(finished_req_ids), None
 
     def get_finished_count(self) -> int | None:

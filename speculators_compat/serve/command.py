@@ -92,10 +92,22 @@ def vllm_argv(args: argparse.Namespace, native_ids: list[int] | None, rest: list
     argv += ["--" + n.replace("_", "-") for n in SWITCHES if getattr(args, n, False)]
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
-    argv += ["--enforce-eager", "--no-enable-prefix-caching", "--enable-scale-out"]
+    argv += ["--enforce-eager", "--no-enable-prefix-caching"]
+    if _has_render_endpoints():
+        argv.append("--enable-scale-out")
     argv += ["--kv-transfer-config", json.dumps(connector_config(args, native_ids))]
     argv += ["--middleware", MIDDLEWARE]
     return argv + list(rest)
+
+
+def _has_render_endpoints() -> bool:
+    """Does this vLLM have the render endpoints (``--enable-scale-out``; absent in 0.20)?"""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("vllm.entrypoints.scale_out") is not None
+    except ImportError:  # (no vLLM here: the flag is harmless to name, and the command line is all we make)
+        return True
 
 
 def api_keys(rest: list[str]) -> list[str]:
