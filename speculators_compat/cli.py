@@ -135,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("output", help="the output directory of extract")
     v.add_argument("--json", action="store_true")
     v.add_argument(
+        "--model",
+        default=None,
+        help="also check that the states were made by this model's files (the fingerprint in run.json)",
+    )
+    v.add_argument(
         "--finalize",
         action="store_true",
         help="write manifest.json when every sample's file is there and intact (a sharded run whose "

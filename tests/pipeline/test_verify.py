@@ -60,3 +60,36 @@ def test_verify_right_after_a_kill_says_incomplete_not_failed(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "NOTE data_4.pt: on disk but not yet in checksums.jsonl" in text
     assert "INCOMPLETE: 4 of 8 samples have no file yet (indices 4-7)" in text and "BAD" not in text
+
+
+def _checkpoint(d, weights: bytes):
+    import json as _json
+    import struct
+
+    d.mkdir()
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2}')
+    head = _json.dumps(
+        {"w": {"dtype": "F32", "shape": [len(weights) // 4], "data_offsets": [0, len(weights)]}}
+    ).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + weights)
+    return d
+
+
+def test_verify_model_catches_states_of_another_models_weights(tmp_path, capsys):
+    """``verify OUT --model M``: run.json's fingerprint of the model that made the states against
+    M's files: the same model passes, one whose weights differ (same shapes) is an error naming it."""
+    import json as _json
+
+    from speculators_compat.checkpoint import fingerprint_checkpoint
+    from speculators_compat.cli import main
+
+    made = _checkpoint(tmp_path / "made", b"\x00" * 64)
+    other = _checkpoint(tmp_path / "other", b"\x01" * 64)
+    out = tmp_path / "out"
+    out.mkdir()
+    run = {"format": "pt", "fingerprints": {"model": fingerprint_checkpoint(str(made))}}
+    (out / "run.json").write_text(_json.dumps(run))
+    assert main(["verify", str(out), "--model", str(made)]) in (0, 3)  # (no files yet: incomplete, not bad)
+    assert main(["verify", str(out), "--model", str(other)]) == 1
+    text = capsys.readouterr().out
+    assert f"BAD  these states were not made by the model at {other}: weight file model.safetensors" in text

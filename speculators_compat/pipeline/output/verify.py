@@ -246,8 +246,26 @@ def finalize_output(root: str | Path) -> dict:
     return verify_output(root)
 
 
+def model_problems(root: str | Path, model: str) -> list[str]:
+    """Why the states under ``root`` were not made by ``model``'s files (run.json's fingerprint of
+    the model that made them against ``model``'s), or nothing when they were."""
+    from ...checkpoint import describe_model_change, fingerprint_checkpoint
+
+    run = _run_record(records_root(root))
+    recorded = (run.get("fingerprints") or {}).get("model")
+    if recorded is None:
+        return [f"{records_root(root)}/run.json records no fingerprint of the model that made it: cannot tell"]
+    changes = describe_model_change(recorded, fingerprint_checkpoint(model, known=recorded))
+    if not changes:
+        return []
+    return [f"these states were not made by the model at {model}: " + "; ".join(changes)]
+
+
 def main_verify(args) -> int:
     res = finalize_output(args.output) if getattr(args, "finalize", False) else verify_output(args.output)
+    if getattr(args, "model", None):
+        res["problems"] = res["problems"] + model_problems(args.output, args.model)
+        res["ok"] = res["ok"] and not res["problems"]
     if args.json:
         print(json.dumps(res, indent=1))
     else:
