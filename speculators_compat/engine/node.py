@@ -7,7 +7,7 @@ with tensor x pipeline parallelism over two 8-GPU hosts, the second host holds t
 which connect to the driver's executor and serve its calls until it shuts down. Built from the same
 ``EngineOptions`` as the driver's engine, its workers get the same capture extension, prefix caching
 off and the same runner; a worker that does not share the driver's /dev/shm hands its rows back over
-vLLM's RPC (capture.py: ``shares_driver_shm``).
+vLLM's RPC (stage.py: ``shares_driver_shm``).
 """
 
 from __future__ import annotations
