@@ -9,8 +9,8 @@
 
 One class, two roles, as vLLM's connectors are built: vLLM makes one instance in its scheduler
 (scheduler.py: which requests, which files, the step record) and one in every worker (worker.py:
-the capture, the checks, the writes). It refuses, before the engine starts, what it cannot capture
-right: a cached prefix is never computed (prefix caching must be off), a compiled or CUDA-graph
+the capture, the checks, the writes). It refuses, when vLLM builds it (after the weights are loaded:
+``speculators-compat serve`` sets the flags itself), what it cannot capture right: a cached prefix is never computed (prefix caching must be off), a compiled or CUDA-graph
 forward never runs the capture hooks (eager only), and pipeline stages write one file from
 several processes (one stage only).
 """
@@ -31,7 +31,7 @@ logger = logging.getLogger("speculators_compat.connector")
 
 
 def check_config(vllm_config) -> None:
-    """What the capture cannot do, said before any weight is loaded."""
+    """What the capture cannot do, each named with the flag that avoids it."""
     problems = []
     if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
         problems.append(
@@ -102,7 +102,7 @@ class CaptureConnector(KVConnectorBase_V1):
         # versions (vLLM 0.20's kv_connector_no_forward), and the record that finishes the last
         # requests of a burst comes in exactly such a step.
         if self.has_connector_metadata():
-            self.worker.after_forward(self._get_connector_metadata())
+            self.worker.end_step(self._get_connector_metadata())
         return self.worker.finished_sending(finished_req_ids), None
 
     def get_finished_count(self) -> int | None:

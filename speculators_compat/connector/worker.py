@@ -4,10 +4,10 @@ built, driven by the scheduler side's step records instead of our own engine's c
 Per step, before the forward (``bind``): new requests are announced to the capture (positions to
 keep, the self-check's position), and the capturing rank creates each one's ``.lock`` with the
 exclusive flock held, so the lock exists before vLLM can answer the request. The forward hooks copy
-the step's rows into host memory (nothing grows on the device with the sequence). After the forward
-(``after_forward``), the finished requests are judged (coverage, NaN/Inf, the self-check: every rank
-of the tensor-parallel group takes part in it) and handed to a writer thread, which renames the
-file in and then lets its lock go. A request that fails a check gets no file; its lock is removed
+the step's rows into host memory (nothing grows on the device with the sequence). At the step's
+end (``end_step``, from vLLM's ``get_finished``), the finished requests are judged (coverage, NaN/Inf,
+the self-check: every rank of the tensor-parallel group takes part in it) and handed to a writer
+thread, which renames the file in and then lets its lock go. A request that fails a check gets no file; its lock is removed
 and the log names the request and the reason.
 """
 
@@ -74,6 +74,7 @@ class WorkerSide:
         fp8 = self.settings.states_dtype == "fp8"
         self.info = self.host.compat_capture_setup(self.layer_ids, handoff_prefix=None, fp8=fp8)
         self.capturing = getattr(self.host, "_compat_capture", None) is not None
+        self.host.compat_self_check(self.settings.self_check)  # (off: the final layer's hook keeps nothing)
         if self.capturing:
             self.writer = ThreadPoolExecutor(WRITERS, thread_name_prefix="speculators-compat-hs")
             if self.settings.self_check:
@@ -98,8 +99,8 @@ class WorkerSide:
                     except OSError as e:  # (its file then fails to be written too, and says why)
                         logger.error("speculators_compat: request %s: cannot create %s.lock: %s", c.req_id, c.path, e)
 
-    # -- after the forward ---------------------------------------------------------------------
-    def after_forward(self, step: CaptureStep) -> None:
+    # -- at the end of the step ------------------------------------------------------------------
+    def end_step(self, step: CaptureStep) -> None:
         if self.host is None or not isinstance(step, CaptureStep):
             return
         for d in step.dropped:

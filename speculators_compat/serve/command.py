@@ -122,13 +122,14 @@ def api_keys(rest: list[str]) -> list[str]:
 
 
 def request_reserve(args: argparse.Namespace, layers: int) -> int:
-    """Bytes one request of ``max_model_len`` tokens needs in the folder (what the 507 guard asks)."""
-    path = os.path.join(args.model, "config.json")
-    cfg = json.loads(open(path).read()) if os.path.isfile(path) else {}
-    text = cfg.get("text_config") or {}
-    hidden = int(cfg.get("hidden_size") or text.get("hidden_size") or 0)
-    width = 1 if args.states_dtype == "fp8" else 4 if args.dtype == "float32" else 2
-    per_token = layers * hidden * width + (4 if args.states_dtype == "fp8" else 0) + 8
+    """Bytes one request of ``max_model_len`` tokens needs in the folder (what the 507 guard asks):
+    its states as plan counts them, its int64 token ids, and 1 MiB for the file's header."""
+    from ..checkpoint import model_limits
+    from ..pipeline.plan import state_bytes_per_token
+
+    hidden = model_limits(args.model).get("hidden_size", 0)
+    width = 4 if args.dtype == "float32" else 2
+    per_token = state_bytes_per_token(layers, hidden, width, args.states_dtype) + 8
     return int(args.max_model_len) * per_token + (1 << 20)
 
 
