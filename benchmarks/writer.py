@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""Write throughput of the pipeline's BackgroundWriter alone (no engine), per thread count.
+"""The pipeline's writer against a plain sequential write of the same bytes, on one filesystem.
 
-Feeds ``--batches`` batches of ``--batch`` samples ([seq, hidden] bf16 per layer, the shapes the
-engine returns, lent from a /dev/shm arena as the zero-copy hand-off returns them) through the
-thread writer (BackgroundWriter) and the process writer (ProcessWriter), and reports GiB/s of
-files written; beside them, plain torch.save of the same samples on the same number of threads (no
-hashing, no checksum records). ``--spin`` adds a thread that loops on sched_yield, as the engine
-driver's wait on vLLM's shared-memory queue does while the GPU works. Alternating rounds, median
-and spread.
-    python benchmarks/writer.py --threads 4,8,16 --seq 1024 --hidden 2048 --layers 4 --spin 0,1
+Feeds ``--batches`` batches of ``--batch`` samples ([seq, hidden] bf16 per layer, lent from a
+/dev/shm arena as the engine's zero-copy hand-off lends them) through the pipeline's writers and
+times each until every file is durable (each writer syncs each file before it records it; the
+run ends with the output directory's final sync, as ``extract`` does). The baseline, measured in
+the same run on the same filesystem: one thread writing the same states, one file a sample, each
+file written with one call and fdatasync'd (no encoding, no checksum, no record). Alternating
+rounds; medians. Per writer, the stage account (stages.py: encode, checksum, write, sync, rename,
+record) in seconds per GB of writer time.
+
+The last line is ``writer/plain: R``: the writer ``extract`` picks on a GPU host (the process
+writer), over the plain write, on the first ``--dirs`` entry (default /dev/shm).
+
+    python benchmarks/writer.py                                   # /dev/shm, 1 GiB
+    python benchmarks/writer.py --dirs /dev/shm,/var/tmp --writers process,thread
 """
 
 from __future__ import annotations
@@ -21,33 +27,11 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", default="2,4,8")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--batches", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    ap.add_argument("--spin", default="0", help="e.g. '0,1': without / with a sched_yield-spinning thread")
-    ap.add_argument("--modes", default="thread,process,torch.save")
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args(argv)
-    import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from speculators_compat.engine import arena as wk
-    from speculators_compat.engine import handoff
-    from speculators_compat.pipeline.output.outdir import OutputDir
-    from speculators_compat.pipeline.writers.processes import ProcessWriter, shutdown_writer_pool
-    from speculators_compat.pipeline.writers.threads import BackgroundWriter
-
+def build_batches(a, torch, wk, handoff):
+    """The samples, their rows in an arena as the engine lends them; returns (arena, reader, batches)."""
     g = torch.Generator().manual_seed(0)
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     arena = wk.Arena(os.path.join(shm, f"sc-writer-bench-{os.getpid()}-"), pin=False)
@@ -63,95 +47,130 @@ def main(argv=None) -> int:
                 k, off = arena.alloc(a.seq * row_bytes)
                 arena.view(k, off, a.seq, a.hidden, torch.bfloat16).copy_(torch.randn(a.seq, a.hidden, generator=g))
                 layers.append(reader.assemble([(arena.path(k), off, a.seq)], a.hidden, torch.bfloat16))
-            items.append(
-                (
-                    b * a.batch + i,
-                    {
-                        "input_ids": torch.arange(a.seq),
-                        "hidden_states": layers,
-                        "loss_mask": torch.ones(a.seq, dtype=torch.long),
-                    },
-                )
-            )
+            sample = {
+                "input_ids": torch.arange(a.seq),
+                "hidden_states": layers,
+                "loss_mask": torch.ones(a.seq, dtype=torch.long),
+            }
+            items.append((b * a.batch + i, sample))
         batches.append(items)
-    nbytes = a.batches * a.batch * a.layers * a.seq * a.hidden * 2
-    root = Path(a.dir or tempfile.mkdtemp(prefix="sc-writer-bench-"))
-    times: dict[str, list[float]] = {}
+    return arena, reader, batches
 
-    def writer_run(n, kind="thread"):
-        out = root / f"w{n}"
-        od = OutputDir(out, "pt")
-        od.prepare({"bench": True})
-        if kind == "process":  # start (or resize) the process pool outside the timing
-            from speculators_compat.pipeline.writers.processes import writer_pool
 
-            writer_pool(n)
-        t = time.perf_counter()
-        w = (
-            ProcessWriter(od, reader.describe, queue_size=2, processes=n)
-            if kind == "process"
-            else BackgroundWriter(od, queue_size=2, threads=n)
-        )
-        for items in batches:
-            w.put(items)
-        w.close()
-        dt = time.perf_counter() - t
-        shutil.rmtree(out)
-        return dt
+def writer_run(kind, n, root, batches, reader):
+    """One pipeline writer over every batch to a fresh folder; (seconds, stage report)."""
+    from speculators_compat.pipeline.output.manifest import sync_filesystem
+    from speculators_compat.pipeline.output.outdir import OutputDir
+    from speculators_compat.pipeline.writers.processes import ProcessWriter
+    from speculators_compat.pipeline.writers.threads import BackgroundWriter
 
-    def plain_run(n):
-        out = root / f"p{n}"
-        out.mkdir()
-        t = time.perf_counter()
-        with ThreadPoolExecutor(n) as ex:
-            list(ex.map(lambda it: torch.save(it[1], out / f"data_{it[0]}.pt"), [it for b in batches for it in b]))
-        dt = time.perf_counter() - t
-        shutil.rmtree(out)
-        return dt
+    out = root / f"{kind}{n}"
+    od = OutputDir(out, "pt")
+    od.prepare({"bench": True})
+    t = time.perf_counter()
+    w = (
+        ProcessWriter(od, reader.describe, queue_size=2, processes=n)
+        if kind == "process"
+        else BackgroundWriter(od, queue_size=2, threads=n)
+    )
+    for items in batches:
+        w.put(items)
+    w.close()
+    sync_filesystem(out)  # (extract's final sync: nothing is left unwritten when it returns)
+    dt = time.perf_counter() - t
+    stages = w.stage_times().report()
+    shutil.rmtree(out)
+    return dt, stages
 
-    import threading
 
-    spinning = threading.Event()
+def plain_run(root, batches):
+    """The same states written by one thread, a file a sample, one write and fdatasync each."""
+    out = root / "plain"
+    out.mkdir()
+    t = time.perf_counter()
+    for items in batches:
+        for index, sample in items:
+            fd = os.open(out / f"data_{index}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.writev(fd, [memoryview(h.numpy().view("uint8")).cast("B") for h in _raw(sample)])
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+    dt = time.perf_counter() - t
+    shutil.rmtree(out)
+    return dt
 
-    def spin():
-        while True:
-            spinning.wait()
-            os.sched_yield()
 
-    threading.Thread(target=spin, daemon=True).start()
-    threads = [int(x) for x in a.threads.split(",")]
-    modes = a.modes.split(",")
-    spins = [int(x) for x in a.spin.split(",")]
-    for _ in range(a.reps):
-        for sp in spins:
-            (spinning.set if sp else spinning.clear)()
-            tag = "[spin]" if sp else ""
-            for n in threads:
-                for m in modes:
-                    if m == "torch.save":
-                        times.setdefault(f"torch.save[t{n}]{tag}", []).append(plain_run(n))
-                    else:
-                        times.setdefault(f"{m}[{n}]{tag}", []).append(writer_run(n, m))
-    spinning.clear()
-    shutdown_writer_pool()
-    arena.close()
-    rows = {
-        k: {
-            "gib_s_median": nbytes / statistics.median(v) / 2**30,
-            "gib_s_min": nbytes / max(v) / 2**30,
-            "gib_s_max": nbytes / min(v) / 2**30,
-        }
-        for k, v in times.items()
-    }
-    print(json.dumps({"bytes": nbytes, "cpus": os.cpu_count(), "dir": str(root)}))
-    for k, r in rows.items():
-        print(f"| {k} | {r['gib_s_median']:.2f} GiB/s | {r['gib_s_min']:.2f} - {r['gib_s_max']:.2f} |")
+def _raw(sample):
+    return [h.contiguous().view(-1).view(__import__("torch").uint8) for h in sample["hidden_states"]]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--writers", default="process", help="pipeline writers to time: process,thread")
+    ap.add_argument("--n", type=int, default=None, help="writer threads/processes (default: what extract picks here)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dirs", default="/dev/shm", help="filesystems to write to, comma separated")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from speculators_compat.engine import arena as wk
+    from speculators_compat.engine import handoff
+    from speculators_compat.pipeline.writers.processes import (
+        default_writer_processes,
+        shutdown_writer_pool,
+        writer_pool,
+    )
+    from speculators_compat.pipeline.writers.threads import default_writer_threads
+
+    arena, reader, batches = build_batches(a, torch, wk, handoff)
+    try:  # (the arena's GBs of /dev/shm released however the run ends)
+        nbytes = sum(h.numel() * 2 for items in batches for _, s in items for h in s["hidden_states"])
+        kinds = a.writers.split(",")
+        counts = {k: a.n or (default_writer_processes() if k == "process" else default_writer_threads()) for k in kinds}
+        if "process" in kinds:  # started (torch imported) before any timing
+            writer_pool(counts["process"]).wait_ready()
+        print(json.dumps({"bytes": nbytes, "cpus": os.cpu_count(), "writers": counts}), flush=True)
+        results = {}
+        for d in a.dirs.split(","):
+            root = Path(tempfile.mkdtemp(prefix="sc-writer-bench-", dir=d))
+            times: dict[str, list[float]] = {}
+            stages = {}
+            plain_run(root, batches)  # a round untimed: the filesystem's pages allocated once (on a VM
+            for k in kinds:  # the first touch of guest memory costs several times a write)
+                writer_run(k, counts[k], root, batches, reader)
+            for _ in range(a.reps):
+                times.setdefault("plain", []).append(plain_run(root, batches))
+                for k in kinds:
+                    dt, stages[k] = writer_run(k, counts[k], root, batches, reader)
+                    times.setdefault(k, []).append(dt)
+            shutil.rmtree(root)
+            gbs = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+            results[d] = {"gb_s": gbs, "stages": stages, "times": times}
+            for k in kinds:
+                per_gb = {s: v["s_per_gb"] for s, v in stages[k].items() if isinstance(v, dict)}
+                print(
+                    f"{d}: {k}[{counts[k]}] {gbs[k]:.2f} GB/s, plain {gbs['plain']:.2f} GB/s, ratio {gbs[k] / gbs['plain']:.2f}; "
+                    f"writer s/GB {json.dumps(per_gb)}",
+                    flush=True,
+                )
+    finally:
+        shutdown_writer_pool()
+        arena.close()
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "times": times, "bytes": nbytes}, indent=1))
-    if not a.dir:
-        shutil.rmtree(root, ignore_errors=True)
+        Path(a.json).write_text(json.dumps({"bytes": nbytes, "results": results}, indent=1))
+    first = results[a.dirs.split(",")[0]]["gb_s"]
+    main_kind = "process" if "process" in kinds else kinds[0]
+    print(f"writer/plain: {first[main_kind] / first['plain']:.2f}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

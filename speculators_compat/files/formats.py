@@ -32,6 +32,7 @@ from typing import Any
 from ..engine.fp8 import SCALES_KEY, PtStates
 from . import crc, ptfile
 from .checksums import DEFAULT_CHECKSUM, HashingFile, new_digest
+from .stages import Clock, StageTimes
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -63,18 +64,31 @@ def data_file_index(name: str, fmt: str | None = None) -> int | None:
 
 
 def write_sample(
-    path: Path, sample: dict[str, Any], fmt: str, checksum: str = DEFAULT_CHECKSUM
+    path: Path,
+    sample: dict[str, Any],
+    fmt: str,
+    checksum: str = DEFAULT_CHECKSUM,
+    *,
+    durable: bool = False,
+    times: StageTimes | None = None,
 ) -> tuple[str | None, int]:
-    """Write ``sample`` atomically to ``path``; returns (checksum hex or None, bytes). A ``pt`` sample
-    is built by :mod:`ptfile` (torch.save's bytes, written from the states' own memory, faster:
-    docs/benchmarks.md) unless it declines. Otherwise a sample whose states exceed
+    """Write ``sample`` atomically to ``path``; returns (checksum hex or None, bytes). With
+    ``durable`` the file's data reaches the disk (fdatasync) before it is renamed into place, so a
+    file under its own name survives a power cut whole. ``times``: where each stage's seconds go
+    (stages.py).
+
+    A ``pt`` sample is built by :mod:`ptfile` (torch.save's bytes, written from the states' own
+    memory, faster: docs/benchmarks.md) unless it declines. Otherwise a sample whose states exceed
     ``SMALL_SAMPLE_BYTES`` streams torch.save into the file through a hash (no in-memory copy); a
     smaller one is serialised in memory and written with one call. All give the same bytes."""
+    clock = Clock(times)
     if fmt == "pt" and SCALES_KEY in sample:  # FP8 states: torch.save writes the loader call
         sample = _pt_fp8_sample(_unowned_states(sample))
     elif fmt == "pt":
         parts = ptfile.encode(sample)  # torch.save's bytes, built directly; None: torch.save must write it
         if parts is not None:
+            clock.lap("encode", minus=parts.crc_s)
+            clock.count("checksum", parts.crc_s)
             if checksum == "crc32":  # from the records' own CRCs: the states are not read again
                 digest = f"{crc.of_parts(parts, parts.known_crcs):08x}"
             else:
@@ -82,22 +96,38 @@ def write_sample(
                 for p in parts:
                     h.update(p)
                 digest = h.hexdigest()
-            return digest, write_parts(path, parts)
+            clock.lap("checksum")
+            return digest, _counted(times, write_parts(path, parts, durable, clock))
         sample = _unowned_states(sample)
     if fmt != "pt" or _payload_bytes(sample) <= SMALL_SAMPLE_BYTES:
         # safetensors, or a small sample: serialise in memory, write once, hash the same bytes
         # (torch.save streaming into a file makes ~64 small writes a file)
         data = _SERIALISE[fmt](sample)
-        atomic_write(path, data)
-        return new_digest(checksum, data).hexdigest(), len(data)
+        clock.lap("encode")
+        digest = new_digest(checksum, data).hexdigest()
+        clock.lap("checksum")
+        return digest, _counted(times, write_parts(path, [data], durable, clock))
     import torch
 
     tmp = path.with_name(f".{path.name}.partial")
     with open(tmp, "wb") as f:
         hf = HashingFile(f, checksum)
-        torch.save(sample, hf)
+        torch.save(sample, hf)  # (encoding, hashing and writing interleave: counted as the write)
+        f.flush()
+        clock.lap("write")
+        if durable:
+            os.fdatasync(f.fileno())
+            clock.lap("sync")
     os.replace(tmp, path)
-    return hf.h.hexdigest(), hf.n
+    clock.lap("rename")
+    return hf.h.hexdigest(), _counted(times, hf.n)
+
+
+def _counted(times: StageTimes | None, nbytes: int) -> int:
+    if times is not None:
+        times.files += 1
+        times.bytes += nbytes
+    return nbytes
 
 
 def _unowned_states(sample: dict[str, Any]) -> dict[str, Any]:
@@ -206,8 +236,8 @@ def distinct_states(name: str, states) -> dict[str, Any]:
     return out
 
 
-def atomic_write(path: Path, data: bytes | memoryview) -> None:
-    write_parts(path, [data])
+def atomic_write(path: Path, data: bytes | memoryview, durable: bool = False) -> None:
+    write_parts(path, [data], durable)
 
 
 _O_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -216,11 +246,14 @@ _O_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 _IOV_MAX = 512
 
 
-def write_parts(path: Path | str, parts: list) -> int:
+def write_parts(path: Path | str, parts: list, durable: bool = False, clock: Clock | None = None) -> int:
     """Write the buffers ``parts`` one after another to ``path`` atomically (a temp name, then a
-    rename: a crash leaves either no file or the whole file); returns the bytes written. Plain
+    rename: a crash leaves either no file or the whole file); returns the bytes written. With
+    ``durable``, fdatasync before the rename: the file's write-back starts as soon as it is
+    complete and overlaps whatever else runs, and a file under its own name is on the disk. Plain
     os calls and one writev per 512 buffers: the per-file cost matters at thousands of files a
-    second."""
+    second. ``clock``: times the write, sync and rename (stages.py)."""
+    clock = clock or Clock(None)
     path = os.fspath(path)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.partial")
@@ -238,9 +271,14 @@ def write_parts(path: Path | str, parts: list) -> int:
                         i += 1
                     else:
                         views[i], n = views[i][n:], 0
+            clock.lap("write")
+            if durable:
+                os.fdatasync(fd)
+                clock.lap("sync")
         finally:
             os.close(fd)
         os.replace(tmp, path)
+        clock.lap("rename")
     except BaseException:
         with contextlib.suppress(OSError):  # (the error that matters is the one being raised)
             os.unlink(tmp)

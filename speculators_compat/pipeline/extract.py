@@ -444,4 +444,17 @@ class _Extraction:
         }
         if self.mode == "process":
             summary["files_by_writer_processes"] = w.in_processes
+        summary["stages"] = self._stages()
         return summary
+
+    def _stages(self) -> dict[str, Any]:
+        """Where the bytes' time went, per stage, in seconds and seconds per GB written: the
+        engine's calls (its hand-off of rows to host memory included), each writer stage summed over
+        the writer threads or processes (files/stages.py), and the final write-back before the
+        manifest (wall-clock)."""
+        times = self.writer.stage_times()
+        gb = times.bytes / 1e9
+        out = times.report()
+        for name, s in (("engine", self.counts.generate_s), ("final_sync", self.out.sync_s)):
+            out[name] = {"s": round(s, 4), "s_per_gb": round(s / gb, 4) if gb else None}
+        return out

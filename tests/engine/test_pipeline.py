@@ -433,9 +433,20 @@ def test_a_damaged_file_is_computed_again(gen, llama_path, tmp_path, caplog):
     assert run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)["new_files"] == 0
     assert run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), verify_existing=True, **kw)["new_files"] == 1
     assert read_dir(out) == good
-    # ... and an unfinished run's last files are checked (no manifest: the run did not finish)
-    last = json.loads((out / "checksums.jsonl").read_text().splitlines()[-1])["file"]
-    _flip_a_bit(out / last, keep_mtime=True)
+    # an unfinished run's files are durable before they are recorded ("durable": true): a crash
+    # cannot have torn one, so they are trusted like a finished run's ...
+    sums = out / "checksums.jsonl"
+    lines = sums.read_text().splitlines()
+    last = json.loads(lines[-1])
+    assert last["durable"] is True
+    _flip_a_bit(out / last["file"], keep_mtime=True)
+    (out / "manifest.json").unlink()
+    assert run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)["new_files"] == 0
+    # ... but the last files of a run whose writer did not sync them (no "durable") are checked
+    lines = sums.read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    recs[-1].pop("durable")  # (the file's newest record: the one a resume reads)
+    sums.write_text("".join(json.dumps(r) + "\n" for r in recs))
     (out / "manifest.json").unlink()
     assert run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)["new_files"] == 1
     assert read_dir(out) == good

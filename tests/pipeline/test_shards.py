@@ -133,21 +133,15 @@ def test_a_shard_of_another_size_is_refused(tmp_path):
         done_from_shards(tmp_path, 2, 8)
 
 
-def test_a_full_disk_is_an_error_at_the_next_put(tmp_path, monkeypatch):
-    """A full disk cannot be produced here: the file write is the seam we replace (ENOSPC)."""
+def test_a_full_disk_is_an_error_at_the_next_put(small_disk):
+    """A real 1 MiB tmpfs: the first shard (two samples of 800 KB) does not fit."""
     import time
 
-    from speculators_compat.pipeline.writers import shards as w
-
-    out = OutputDir(tmp_path, "safetensors", shard_size=2)
+    out = OutputDir(small_disk("1m"), "safetensors", shard_size=2)
     out.prepare({"m": 1})
-
-    def full(path, data):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(w, "atomic_write", full)  # the disk is the seam here; the rest is real
     sw = ShardWriter(out, queue_size=1)
-    sw.put([(0, sample(0)), (1, sample(1))], upto=2)
+    big = [(i, {**sample(i, 50000), "hidden_states": [torch.zeros(50000, 8, dtype=torch.bfloat16)]}) for i in (0, 1)]
+    sw.put(big, upto=2)
     deadline = time.time() + 10
     while sw.error is None and time.time() < deadline:
         time.sleep(0.01)
@@ -155,6 +149,7 @@ def test_a_full_disk_is_an_error_at_the_next_put(tmp_path, monkeypatch):
         sw.put([(2, sample(2))], upto=3)
     with pytest.raises(OutputError):
         sw.close()
+    assert not list(out.root.glob(".*.partial")) and not list(out.root.glob("shard_*"))
 
 
 @pytest.mark.parametrize(

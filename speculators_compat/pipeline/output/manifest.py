@@ -16,6 +16,8 @@ from .layout import Layout
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
+_RUN_KEYS = ("mtime_ns", "durable")  # checksums.jsonl keys that stay out of the manifest
+
 
 class Manifest:
     """Part of OutputDir (outdir.py), which holds root, fmt, part, records and checksum."""
@@ -69,9 +71,9 @@ class Manifest:
                 }
                 if algo != "none":
                     rec[algo] = file_digest(p, algo)
-            # (a write time is the run's, not the dataset's: the manifest of a resumed dataset is
-            # byte-identical to an uninterrupted one's)
-            rec = {k: v for k, v in rec.items() if (k not in CHECKSUMS or k == algo) and k != "mtime_ns"}
+            # (a write time and how it was written are the run's, not the dataset's: the manifest
+            # of a resumed dataset is byte-identical to an uninterrupted one's)
+            rec = {k: v for k, v in rec.items() if (k not in CHECKSUMS or k == algo) and k not in _RUN_KEYS}
             files.append(rec)
         if self.fmt == "pt" and self.shard_size == 1 and all(f.get("tokens") is not None for f in files):
             # speculators 0.4.x's trainer batches by these lengths (without them it guesses from

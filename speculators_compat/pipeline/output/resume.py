@@ -17,8 +17,9 @@ logger = logging.getLogger("speculators_compat.pipeline")
 class Resume:
     """Part of OutputDir (outdir.py), which holds root, fmt, part, records and checksum."""
 
-    #: files written within this many seconds of an earlier run's last file are checksummed on
-    #: resume: what a crash or a power cut can hurt (the kernel writes dirty pages back within ~30 s)
+    #: files written within this many seconds of an earlier run's last file, by a writer that did
+    #: not sync each file (records without ``"durable": true``), are checksummed on resume: what a
+    #: crash or a power cut can hurt (the kernel writes dirty pages back within ~30 s)
     RECENT_S = 60.0
 
     def _drop_torn_record(self) -> None:
@@ -41,8 +42,10 @@ class Resume:
         return their names (each one logged with the reason): a file with no checksums.jsonl record
         (a crash between its rename and its record), one whose size differs from its record, one
         changed since it was written (its modification time differs) whose checksum no longer
-        matches, and one written in the last RECENT_S seconds of the run before (with ``recent``:
-        that run did not finish), or with ``verify_all`` any, whose checksum does not match."""
+        matches, and one not recorded as durable written in the last RECENT_S seconds of the run
+        before (with ``recent``: that run did not finish), or with ``verify_all`` any, whose
+        checksum does not match. A durable record names a file that reached the disk before it
+        was renamed and recorded (writers/threads.py): a crash cannot have hurt it."""
         files = [
             p
             for p in self.root.iterdir()
@@ -64,7 +67,12 @@ class Resume:
                 bad.append((p, f"{st.st_size:,} bytes where {rec.get('bytes'):,} were written"))
                 continue
             changed = "mtime_ns" in rec and st.st_mtime_ns != rec["mtime_ns"]
-            tail = recent and "mtime_ns" in rec and rec["mtime_ns"] >= last - int(self.RECENT_S * 1e9)
+            tail = (
+                recent
+                and not rec.get("durable")
+                and "mtime_ns" in rec
+                and rec["mtime_ns"] >= last - int(self.RECENT_S * 1e9)
+            )
             algo = next((k for k in CHECKSUMS if rec.get(k)), None)
             if algo and (verify_all or changed or tail) and file_digest(p, algo) != rec[algo]:
                 bad.append(

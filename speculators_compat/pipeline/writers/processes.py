@@ -16,6 +16,7 @@ from typing import Any
 from ...errors import OutputError, WriterProcessDied
 from ...files import ptfile
 from ...files.formats import file_name, write_sample
+from ...files.stages import StageTimes
 from ...host import cuda_device_count, usable_cpus
 from ..output.outdir import OutputDir
 from .threads import ChecksumLog, Writer
@@ -108,6 +109,7 @@ def _writer_process_main(task_conn, result_conn) -> None:
     parent = os.getppid()
     fd = task_conn.fileno()
     maps: dict[str, mmap.mmap] = {}
+    times = StageTimes()  # (sent with each result, then reset)
     while True:
         if not select.select([fd], [], [], 2)[0]:
             # (a process forked from the driver, e.g. an engine worker, may hold the pipe's
@@ -123,7 +125,7 @@ def _writer_process_main(task_conn, result_conn) -> None:
         if task is None:
             return
         if task == "ping":  # _WriterPool.wait_ready: torch is imported, tasks are read
-            result_conn.send(("pong", []))
+            result_conn.send(("pong", [], StageTimes()))
             continue
         done = []
         for t in task.samples:
@@ -131,16 +133,16 @@ def _writer_process_main(task_conn, result_conn) -> None:
             try:
                 sample = _task_sample(t, maps)
                 path = Path(task.root) / file_name(t.index, task.fmt)
-                digest, nbytes = write_sample(path, sample, task.fmt, task.checksum)
+                digest, nbytes = write_sample(path, sample, task.fmt, task.checksum, durable=True, times=times)
                 done.append((t.index, digest, nbytes, int(t.input_ids.size)))
             except BaseException as e:  # reported to the driver, which stops the run
-                result_conn.send(("error", done, t.index, f"{type(e).__name__}: {e}"))
+                result_conn.send(("error", done, times.take(), t.index, f"{type(e).__name__}: {e}"))
                 done = None
                 break
             finally:
                 sample = None
         if done is not None:
-            result_conn.send(("ok", done))  # one message a task
+            result_conn.send(("ok", done, times.take()))  # one message a task
         gc.collect(1)  # cycles made while writing (write_sample keeps the mapped rows out of torch.save's)
         for p in [p for p in maps if not os.path.exists(p)]:  # the engine released that arena file
             try:
@@ -390,6 +392,7 @@ class ProcessWriter(Writer):
         # import, ~1-3 s): not the disk's doing, so kept out of wait_s and tail_s
         self.start_wait_s = 0.0
         self._sums = ChecksumLog(out)
+        self._times = StageTimes()
         self._cv = threading.Condition()  # the local threads report through it too
         self._pending: dict[int, InFlight] = {}  # index -> the sample handed over, until written
         self._batches: dict[int, int] = {}  # batch -> samples not yet written
@@ -450,9 +453,11 @@ class ProcessWriter(Writer):
 
     def _write_local(self, index: int, sample: dict) -> None:
         try:
-            digest, nbytes = write_sample(
-                self.out.root / file_name(index, self.out.fmt), sample, self.out.fmt, self._sums.checksum
-            )
+            times = StageTimes()
+            path = self.out.root / file_name(index, self.out.fmt)
+            digest, nbytes = write_sample(path, sample, self.out.fmt, self._sums.checksum, durable=True, times=times)
+            with self._cv:
+                self._times.add(times)
             self._done(index, digest, nbytes, int(sample["input_ids"].numel()))
         except BaseException as e:
             self._fail(e)
@@ -533,10 +538,12 @@ class ProcessWriter(Writer):
                 continue
             w.answered = True  # (a "pong" carries no results)
             try:
+                with self._cv:
+                    self._times.add(msg[2])
                 for rec in msg[1]:
                     self._done(*rec)
                 if msg[0] == "error":
-                    self._fail(OutputError(f"writing sample {msg[2]} failed: {msg[3]}"))
+                    self._fail(OutputError(f"writing sample {msg[3]} failed: {msg[4]}"))
             except BaseException as e:
                 self._fail(e)
         if not ready and timeout:

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from ...files.checksums import new_digest
-from ...files.formats import SHARD_TAG, atomic_write, distinct_states, read_shard_range, shard_name
+from ...files.formats import SHARD_TAG, distinct_states, read_shard_range, shard_name, write_parts
+from ...files.stages import Clock, StageTimes
 from .threads import ChecksumLog, Writer, default_writer_threads
 
 logger = logging.getLogger("speculators_compat.pipeline")
@@ -121,6 +122,7 @@ class ShardWriter(Writer):
         self.error: BaseException | None = None
         self.wait_s = self.tail_s = self.start_wait_s = 0.0
         self._sums = ChecksumLog(out)
+        self._times = StageTimes()
         self._pending: dict[int, list[tuple[int, dict]]] = {}  # shard -> its samples so far (owned copies)
         self._end: int | None = None
         self._t = threading.Thread(target=self._loop, name="speculators-compat-shards", daemon=True)
@@ -183,11 +185,15 @@ class ShardWriter(Writer):
             raise
 
     def _write_shard_now(self, k: int, samples: list[tuple[int, dict]], first: int, end: int) -> None:
-
+        times = StageTimes(files=1)
+        clock = Clock(times)
         data = shard_bytes(samples, first, end)
-        atomic_write(self.out.root / shard_name(k), data)
+        clock.lap("encode")
         digest = new_digest(self._sums.checksum, data).hexdigest()
+        clock.lap("checksum")
+        times.bytes = write_parts(self.out.root / shard_name(k), [data], durable=True, clock=clock)
         with self._lock:
+            self._times.add(times)
             self._sums.add(
                 first,
                 digest,

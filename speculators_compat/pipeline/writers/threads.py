@@ -1,18 +1,24 @@
-"""What the pipeline's writers share (``Writer``: the first failure, the checksum log, the counts)
-and the thread writer (``BackgroundWriter``). The process writer (procwriter.py) and the shard
-writer (shards.py) build on the same base.
+"""What the pipeline's writers share (``Writer``: the first failure, the checksum log, the counts,
+where the time went) and the thread writer (``BackgroundWriter``). The process writer
+(processes.py) and the shard writer (shards.py) build on the same base.
+
+Every writer makes each file durable (fdatasync, on its own thread) before it renames it into
+place and records it in checksums.jsonl: a file's write-back starts as soon as it is complete,
+overlapping the engine's work and the other files', and a recorded file is one a resume may trust
+after a crash or a power cut (its record says ``"durable": true``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import threading
+import time
 
 from ...errors import OutputError
 from ...files.checksums import DEFAULT_CHECKSUM
 from ...files.formats import file_name, write_sample
+from ...files.stages import StageTimes
 from ...host import usable_cpus
 from ..output.outdir import OutputDir
 
@@ -26,6 +32,7 @@ class ChecksumLog:
         self.f = open(out.records / "checksums.jsonl", "a", encoding="utf-8")  # (a rank: its own)
         self.written = 0
         self.bytes = 0  # of the files this run wrote
+        self.record_s = 0.0  # time spent recording them
 
     def add(
         self,
@@ -37,6 +44,7 @@ class ChecksumLog:
         samples: int | None = None,
     ) -> None:
         """``file``/``samples``: a shard's name and sample count (its ``index`` is its first sample)."""
+        t = time.perf_counter()
         name = file or file_name(index, self.fmt)
         rec = {"index": index, "file": name, "bytes": nbytes, "tokens": tokens}
         try:  # the file's write time: a resume checks that the file has not changed since (OutputDir)
@@ -47,10 +55,12 @@ class ChecksumLog:
             rec["samples"] = samples
         if digest is not None:
             rec[self.checksum] = digest
+        rec["durable"] = True  # (every writer syncs a file before it renames and records it)
         self.f.write(json.dumps(rec) + "\n")
         self.f.flush()
         self.written += 1
         self.bytes += nbytes
+        self.record_s += time.perf_counter() - t
 
     def close(self) -> None:
         self.f.close()
@@ -81,6 +91,12 @@ class Writer:
     def bytes_written(self) -> int:
         return self._sums.bytes
 
+    def stage_times(self) -> StageTimes:
+        """Where the writing time went (files/stages.py), of what was written so far."""
+        out = StageTimes(record=self._sums.record_s)
+        out.add(self._times)
+        return out
+
     def finish(self, n_samples: int) -> None:
         """The run handed over all it will (``n_samples`` read). Only the shard writer needs to
         know; ``upto`` in ``put`` likewise (every index below it has been handed over)."""
@@ -102,64 +118,74 @@ class Writer:
 
 
 class BackgroundWriter(Writer):
-    """Writes (index, sample) items on a thread; ``queue_size`` bounds what waits in memory."""
+    """Writes (index, sample) items on a pool of threads. At most ``queue_size + 1`` batches are
+    in flight (handed over and not all written): memory stays bounded, and ``put()`` waits for
+    room. Files are written as they come, across batches (no thread waits for a batch's slowest
+    file)."""
 
     def __init__(self, out: OutputDir, queue_size: int = 2, threads: int | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.out = out
-        self.q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
-        self.error: BaseException | None = None
-        self.wait_s = 0.0  # time put() spent waiting for room in the queue
-        self.tail_s = 0.0  # time close() spent waiting for the last writes
-        self.start_wait_s = 0.0  # (threads start at once; see ProcessWriter)
-        self._sums = ChecksumLog(out)
-        self._lock = threading.Lock()
-        # Files of one batch are written in parallel (hashing and file writes release the GIL);
-        # the next batch waits, so memory stays bounded by queue_size + 1 batches.
         n = threads if threads is not None else default_writer_threads()
         if n < 1:
             raise ValueError(f"writer threads must be >= 1, not {n}")
-        self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="speculators-compat-write") if n > 1 else None
-        self._t = threading.Thread(target=self._loop, name="speculators-compat-writer", daemon=True)
-        self._t.start()
+        self.out, self.limit = out, max(1, queue_size) + 1
+        self.error: BaseException | None = None
+        self.wait_s = 0.0  # time put() spent waiting for room
+        self.tail_s = 0.0  # time close() spent waiting for the last writes
+        self.start_wait_s = 0.0  # (threads start at once; see ProcessWriter)
+        self._sums = ChecksumLog(out)
+        self._times = StageTimes()
+        self._cv = threading.Condition()  # guards the counts below, the log and _times
+        self._batches: dict[int, int] = {}  # batch -> its files not yet written
+        self._nbatch = 0
+        # (hashing and file writes release the GIL: the threads write in parallel)
+        self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="speculators-compat-write")
 
     def put(self, items: list[tuple[int, dict]], upto: int | None = None) -> None:
-        """Queue one batch's samples (blocks while the queue is full); re-raises a writer failure."""
-        import time
-
-        self.check()
+        """Hand over one batch's samples (blocks while ``queue_size + 1`` batches are in flight);
+        re-raises a writer failure."""
         t = time.perf_counter()
-        self.q.put(items)
-        self.wait_s += time.perf_counter() - t
+        with self._cv:
+            while self.error is None and len(self._batches) >= self.limit:
+                self._cv.wait()
+            self.wait_s += time.perf_counter() - t
+            self.check()
+            if not items:
+                return
+            batch, self._nbatch = self._nbatch, self._nbatch + 1
+            self._batches[batch] = len(items)
+        for item in items:
+            self._pool.submit(self._write_one, batch, item)
 
-    def _loop(self) -> None:
-        self._consume(self._write_batch)
-
-    def _write_batch(self, items: list[tuple[int, dict]]) -> None:
-        if self._pool is None:
-            for item in items:
-                self._write_one(item)
-        else:
-            for f in [self._pool.submit(self._write_one, item) for item in items]:
-                f.result()  # re-raises the first failure
-
-    def _write_one(self, item: tuple[int, dict]) -> None:
+    def _write_one(self, batch: int, item: tuple[int, dict]) -> None:
         index, sample = item
-        digest, nbytes = write_sample(
-            self.out.root / file_name(index, self.out.fmt), sample, self.out.fmt, self._sums.checksum
-        )
-        with self._lock:
-            self._sums.add(index, digest, nbytes, int(sample["input_ids"].numel()))
+        try:
+            if self.error is None:  # (after a failure the rest is dropped, unwritten)
+                times = StageTimes()
+                path = self.out.root / file_name(index, self.out.fmt)
+                digest, nbytes = write_sample(
+                    path, sample, self.out.fmt, self._sums.checksum, durable=True, times=times
+                )
+                with self._cv:
+                    self._sums.add(index, digest, nbytes, int(sample["input_ids"].numel()))
+                    self._times.add(times)
+        except BaseException as e:  # kept for check(): the producer's next put() raises it
+            with self._cv:
+                self.error = self.error or e
+        finally:
+            with self._cv:
+                self._batches[batch] -= 1
+                if not self._batches[batch]:
+                    del self._batches[batch]
+                self._cv.notify_all()
 
     def close(self) -> None:
-        import time
-
         t = time.perf_counter()
-        self.q.put(None)
-        self._t.join()
+        with self._cv:
+            while self._batches:
+                self._cv.wait()
         self.tail_s = time.perf_counter() - t
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
         self._sums.close()
         self.check()
