@@ -16,6 +16,12 @@ import sys
 def _doctor(args) -> int:
     import speculators_compat
 
+    if args.sweep_shm:
+        from .engine.shm import sweep_orphan_shm
+
+        removed = sweep_orphan_shm()
+        print(f"removed {len(removed)} shared-memory file(s) no process had open: {' '.join(removed) or '-'}")
+        return 0
     if args.probe:
         # import the targets so the report says what applied, not only what would
         for mod in ("vllm.v1.core.sched.scheduler", "speculators.data_generation.vllm_hidden_states_generator"):
@@ -86,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="installed versions and what each patch did")
     d.add_argument("--json", action="store_true")
     d.add_argument("--probe", action="store_true", help="import vLLM/speculators and probe vLLM's internals")
+    d.add_argument(
+        "--sweep-shm", action="store_true", help="remove /dev/shm/psm_* files no process has open (killed engines')"
+    )
     d.set_defaults(fn=_doctor)
 
     m = sub.add_parser("demo", help="extract on a built-in tiny model and compare with HF transformers")
@@ -196,5 +205,17 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
 
+def entry() -> None:
+    """The ``speculators-compat`` command: ``main()``, and after a failure an exit with the error
+    message as its last words (signals.end_process)."""
+    from .signals import end_process, quiet_resource_tracker
+
+    quiet_resource_tracker()
+    code = main()
+    if code:
+        end_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -51,3 +51,65 @@ def interrupted(e: KeyboardInterrupt, output: str | None = None) -> tuple[str, i
     signum = getattr(e, "signum", signal.SIGINT)
     kept = f"; the files already in {output} are complete: run the same command again to resume" if output else ""
     return f"interrupted by {signal.Signals(signum).name}{kept}", 128 + signum
+
+
+def release_shared_memory() -> int:
+    """Close and unlink every ``SharedMemory`` and named semaphore this process still holds (vLLM's
+    message queues after a worker died, a queue's lock): what the interpreter's teardown would
+    leave to multiprocessing's resource tracker, which frees it with a warning on the terminal.
+    Returns how many were released. Only for a process about to end: nothing may use them after."""
+    import contextlib
+    import gc
+    from multiprocessing import resource_tracker, shared_memory, synchronize
+
+    released = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, shared_memory.SharedMemory):
+            with contextlib.suppress(OSError, BufferError):
+                obj.close()
+            with contextlib.suppress(OSError):
+                obj.unlink()  # (also tells the tracker)
+                released += 1
+        elif isinstance(obj, synchronize.SemLock) and getattr(obj._semlock, "name", None):
+            import _multiprocessing
+
+            name = obj._semlock.name
+            with contextlib.suppress(OSError):
+                _multiprocessing.sem_unlink(name)
+                resource_tracker.unregister(name, "semaphore")
+                released += 1
+    return released
+
+
+def quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (shared by this process and every process it
+    spawns, vLLM's workers too) with its stderr on /dev/null. When a worker dies, what it had made
+    is left to the tracker, which frees it at the end and says so on the terminal, after the
+    command's own error; the freeing stays, the warning goes."""
+    import os
+    from multiprocessing import resource_tracker
+
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)  # (the tracker inherits fd 2 as it starts)
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def end_process(code: int) -> None:
+    """End the process after a fatal error, its message already printed: the shared memory it
+    holds released, the output flushed, and then ``os._exit``, so that no library's teardown
+    (triton's nanobind leak report, the resource tracker's warnings) prints after the message."""
+    import os
+    import sys
+
+    release_shared_memory()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can be said
+            continue
+    os._exit(code)

@@ -59,3 +59,30 @@ def test_a_killed_engines_shared_memory_is_removed_and_live_ones_stay():
         for n in (live, dead, locals().get("held")):
             if n and os.path.exists(f"/dev/shm/{n}"):
                 os.unlink(f"/dev/shm/{n}")
+
+
+def test_orphans_are_reported_with_the_command_and_doctor_removes_them(caplog):
+    """extract says how many orphans /dev/shm holds and how to remove them (it removes nothing);
+    ``doctor --sweep-shm`` removes them, and only them."""
+    import logging
+
+    from speculators_compat.cli import main
+    from speculators_compat.engine.shm import report_orphan_shm
+
+    dead_p, dead = _make(keep_mapped=False)
+    live_p, live = _make(keep_mapped=True)
+    try:
+        past = time.time() - 120
+        for n in (dead, live):
+            os.utime(f"/dev/shm/{n}", (past, past))
+        with caplog.at_level(logging.WARNING, logger="speculators_compat.engine"):
+            assert report_orphan_shm() >= 1
+        assert "speculators-compat doctor --sweep-shm" in caplog.text and os.path.exists(f"/dev/shm/{dead}")
+        assert main(["doctor", "--sweep-shm"]) == 0
+        assert not os.path.exists(f"/dev/shm/{dead}") and os.path.exists(f"/dev/shm/{live}")
+    finally:
+        live_p.kill()
+        live_p.wait()
+        for n in (live, dead):
+            if os.path.exists(f"/dev/shm/{n}"):
+                os.unlink(f"/dev/shm/{n}")

@@ -48,13 +48,13 @@ def _in_use(d: str) -> set[str]:
     return used
 
 
-def sweep_orphan_shm(d: str = "/dev/shm", min_age_s: float = MIN_AGE_S) -> list[str]:
-    """Remove this user's ``psm_*`` files in ``d`` that no process has open or mapped (module
-    docstring); returns their names."""
+def orphan_shm(d: str = "/dev/shm", min_age_s: float = MIN_AGE_S) -> list[tuple[str, int]]:
+    """This user's ``psm_*`` files in ``d`` that no process has open or mapped (module docstring),
+    with their sizes in bytes."""
     if not os.path.isdir(d) or not os.path.isdir("/proc/self/fd"):
         return []
     now, me = time.time(), os.getuid()
-    candidates = []
+    candidates = {}
     for name in os.listdir(d):
         if not name.startswith(PREFIXES):
             continue
@@ -63,14 +63,34 @@ def sweep_orphan_shm(d: str = "/dev/shm", min_age_s: float = MIN_AGE_S) -> list[
         except FileNotFoundError:
             continue
         if st.st_uid == me and now - st.st_mtime >= min_age_s:
-            candidates.append(name)
+            candidates[name] = st.st_size
     if not candidates:
         return []
     used = _in_use(d)
+    return [(name, size) for name, size in candidates.items() if name not in used]
+
+
+def report_orphan_shm(d: str = "/dev/shm") -> int:
+    """Say (a warning) how many orphan ``psm_*`` files ``d`` holds and how to remove them; returns
+    the count. (Not removed here: a command that only reads a dataset has no business deleting
+    files it did not make.)"""
+    found = orphan_shm(d)
+    if found:
+        logger.warning(
+            "speculators_compat: %d shared-memory file(s) in %s (%.0f MB) that no process has open, left by "
+            "killed engines; remove them with: speculators-compat doctor --sweep-shm",
+            len(found),
+            d,
+            sum(n for _, n in found) / 1e6,
+        )
+    return len(found)
+
+
+def sweep_orphan_shm(d: str = "/dev/shm", min_age_s: float = MIN_AGE_S) -> list[str]:
+    """Remove this user's ``psm_*`` files in ``d`` that no process has open or mapped (module
+    docstring); returns their names."""
     removed = []
-    for name in candidates:
-        if name in used:
-            continue
+    for name, _ in orphan_shm(d, min_age_s):
         try:
             os.unlink(os.path.join(d, name))
             removed.append(name)

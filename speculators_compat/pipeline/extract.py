@@ -24,12 +24,13 @@ from itertools import islice
 from typing import Any
 
 from .. import versions
-from ..errors import DatasetError, TokenIdError
+from ..engine.shm import report_orphan_shm
+from ..errors import DatasetError, OutputError, TokenIdError
 from .dataset import InputScan, Sample, check_unchanged, open_dataset, scan_input
 from .options import ExtractOptions
 from .output.layout import Layout
 from .output.outdir import OutputDir
-from .preflight import check_free_space, dtype_name, warn_if_write_bound, warn_overlength
+from .preflight import check_free_space, disk_full, disk_full_error, dtype_name, warn_if_write_bound, warn_overlength
 from .progress import progress_bar
 from .ranks import forget_launcher_env, partition_unit, pick_local_devices, resolve_part
 from .reading import Prefetch, batches_of
@@ -145,7 +146,7 @@ class _Extraction:
         self.owned = [i for i in range(self.scan.samples) if self.out.owns(i)]
         self.to_compute = sum(1 for i in self.owned if i not in self.done and i not in self.skip)
         dtype = eng.get("dtype") if gen is None else None
-        check_free_space(
+        self.planned_bytes = check_free_space(
             self.out.root,
             self.scan,
             self.to_compute,
@@ -201,6 +202,7 @@ class _Extraction:
         fingerprints = {"model": fingerprint_checkpoint(self.model, known), "input": self.scan.fingerprint}
         latest = {"samples": total, "skipped_overlength": sorted(self.skip), "input_scan": self.scan.record()}
         done = out.prepare(self.run_info, total, fingerprints, verify_existing=opts.verify_existing, latest=latest)
+        report_orphan_shm()  # (killed engines' shared memory: said, with the command that removes it)
         asked = dtype_name(opts.engine.get("dtype")) if self.generator is None else None
         if asked:  # (an explicit --dtype is known now; "auto" only once the engine resolved it)
             out.confirm({"dtype": asked}, record=False)
@@ -272,6 +274,12 @@ class _Extraction:
                 self._one_batch(batch, bar)
             self.writer.finish(self.counts.seen)  # (shards: the last one, however short, may be written)
             check_unchanged(self.input_path, self.scan, final=True)  # (before a manifest says the dataset is whole)
+        except OutputError as e:
+            if not disk_full(e):
+                raise
+            w = self.writer
+            left = self.to_compute - w.written
+            raise disk_full_error(self.out.root, left, w.written, w.bytes_written, self.planned_bytes) from e
         finally:
             if engine is not None:
                 engine.set_arena_slabs(0)  # later plain generate() calls hold nothing: slabs made as needed
@@ -413,6 +421,7 @@ class _Extraction:
             "files": files_now,
             "new_files": c.written_new,
             "already_done": c.skipped_done,
+            "swept_temporaries": self.out.swept,
             "computed": c.computed,
             "tokens_computed": c.tokens,
             "bytes": bytes_now,

@@ -4,6 +4,7 @@ the run was bound by its writes (at the end)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 
@@ -24,12 +25,15 @@ def dtype_name(dtype) -> str | None:
 
 def check_free_space(
     root, scan, to_compute: int, layers: int, hidden: int | None, dtype, states_dtype: str = "auto"
-) -> None:
+) -> int | None:
     """Refuse a run whose files cannot fit the output's free space (what ``plan`` prints as disk
     needed: the samples left to compute, at the model's hidden size; 2-byte states unless float32
-    was asked for, so the estimate errs low). Unknown sizes (a hub id) are not checked."""
-    if not to_compute or not hidden or not scan.tokens or not scan.samples:
-        return
+    was asked for, so the estimate errs low). Unknown sizes (a hub id) are not checked. Returns the
+    bytes estimated (None: unknown)."""
+    if not to_compute:
+        return 0
+    if not hidden or not scan.tokens or not scan.samples:
+        return None
     need = (
         scan.tokens
         * to_compute
@@ -42,6 +46,31 @@ def check_free_space(
             f"the {to_compute:,} samples left to compute need about {need / 2**30:,.1f} GiB in {root}, which has "
             f"{free / 2**30:,.1f} GiB free: free space, use an output on a larger disk, or --max-samples"
         )
+    return need
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """Whether ``e`` or an error behind it is a full disk (or a spent quota)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def disk_full_error(root, left: int, written: int, bytes_written: int, planned: int | None) -> OutputError:
+    """What a run that filled its disk says: the bytes still needed for the ``left`` samples not
+    written (at the size of those written, else the plan's), against what the plan said."""
+    free = shutil.disk_usage(root).free
+    per = bytes_written / written if written else (planned or 0) / max(left + written, 1)
+    more = max(per * left - free, 0)
+    plan = f"{planned / 1e9:,.1f} GB" if planned is not None else "unknown: the model's size was not known"
+    return OutputError(
+        f"no space left on {root}: {more / 1e9:,.1f} GB more needed (plan said {plan}); the {written:,} files "
+        "written are complete: free space and rerun the same command to resume"
+    )
 
 
 def warn_overlength(over: list[tuple[int, int]], max_len: int, action: str) -> None:

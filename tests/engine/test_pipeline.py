@@ -562,3 +562,42 @@ def test_a_rerun_with_nothing_to_do_keeps_the_manifest(gen, llama_path, tmp_path
         run_extract(*args, batch_size=2, generator=gen, progress=False, max_samples=4)
     assert json.loads((out / "manifest.json").read_text())["num_files"] == 6
     assert (out / "sample_lengths.json").read_text() == lengths
+
+
+def test_a_full_disk_stops_the_run_saying_what_is_needed_and_the_rerun_resumes(
+    gen, llama_path, tmp_path, small_disk, monkeypatch
+):
+    """A real full disk (a small tmpfs), filled by a ballast file right after the run's own
+    free-space check passed: the run stops with the bytes still needed against the plan's, every
+    file it recorded is whole, and once space is freed the same command finishes the dataset,
+    byte for byte the dataset of a run that never ran out."""
+    from speculators_compat.pipeline import extract as ex
+
+    make_jsonl(tmp_path / "in.jsonl", lengths=[64] * 12, seed=5)
+    kw = dict(batch_size=2, generator=gen, progress=False)
+    run_extract(llama_path, str(tmp_path / "in.jsonl"), str(tmp_path / "ref"), **kw)
+    ref = read_dir(tmp_path / "ref")
+    file_bytes = max(len(v) for k, v in ref.items() if k.startswith("data_"))
+    disk = small_disk("8m")
+    ballast = disk / "ballast"
+    real = ex.check_free_space
+
+    def then_fill(root, *a, **k):
+        planned = real(root, *a, **k)
+        free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+        ballast.write_bytes(b"\0" * int(free - 3.5 * file_bytes))  # room for about 3 files
+        return planned
+
+    monkeypatch.setattr(ex, "check_free_space", then_fill)
+    out = disk / "out"
+    with pytest.raises(OutputError, match=r"no space left on .*out: \d+\.\d GB more needed \(plan said \d+\.\d GB\)"):
+        run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)
+    recorded = [json.loads(x) for x in (out / "checksums.jsonl").read_text().splitlines()]
+    assert 1 <= len(recorded) < 12
+    for r in recorded:
+        assert (out / r["file"]).read_bytes() == ref[r["file"]]
+    monkeypatch.setattr(ex, "check_free_space", real)
+    ballast.unlink()
+    s = run_extract(llama_path, str(tmp_path / "in.jsonl"), str(out), **kw)
+    assert s["new_files"] == 12 - len(recorded)
+    assert read_dir(out) == ref

@@ -112,6 +112,9 @@ def test_killed_worker_errors_fast_and_resume_is_identical(uninterrupted, tmp_pa
     pytest.importorskip("psutil")
     args, ref = uninterrupted
     out = tmp_path / "run"
+    import glob
+
+    before = set(glob.glob("/dev/shm/*"))
     p = _start_and_wait_for_files(args, out)
     victims = _worker_pids(p.pid)
     assert victims, "no vLLM worker process found among the pipeline's children"
@@ -121,6 +124,13 @@ def test_killed_worker_errors_fast_and_resume_is_identical(uninterrupted, tmp_pa
     assert "speculators-compat: error: a vLLM worker process died during extraction" in log, log[-3000:]
     assert "rerun to resume" in log and "Traceback" not in log, log[-3000:]
     assert took < 60, f"took {took:.1f}s to notice the dead worker"
+    # its last words: the message is the last line (no third-party teardown noise after it), and
+    # none of its shared memory is left behind
+    assert log.rstrip().splitlines()[-1].startswith("speculators-compat: error: a vLLM worker process died"), log[
+        -3000:
+    ]
+    time.sleep(3)  # (the dead engine's other worker processes end on their own)
+    assert not set(glob.glob("/dev/shm/*")) - before - set(glob.glob("/dev/shm/__KMP_REGISTERED_LIB_*"))
     _files_intact_and_resume_identical(args, out, ref)
 
 

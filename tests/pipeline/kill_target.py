@@ -67,8 +67,20 @@ def main(out: str, kind: str) -> None:
     while True:
         items = []
         for _ in range(batch):
-            layers = [reader.assemble([(p, off, rows)], hidden, torch.bfloat16) for p, off in blocks[(2 * i) % len(blocks) : (2 * i) % len(blocks) + 2]]
-            items.append((i, {"input_ids": torch.arange(rows) + i, "hidden_states": layers, "loss_mask": torch.ones(rows, dtype=torch.long)}))
+            layers = [
+                reader.assemble([(p, off, rows)], hidden, torch.bfloat16)
+                for p, off in blocks[(2 * i) % len(blocks) : (2 * i) % len(blocks) + 2]
+            ]
+            items.append(
+                (
+                    i,
+                    {
+                        "input_ids": torch.arange(rows) + i,
+                        "hidden_states": layers,
+                        "loss_mask": torch.ones(rows, dtype=torch.long),
+                    },
+                )
+            )
             i += 1
         w.put(items, i) if kind == "shards" else w.put(items)
 

@@ -67,7 +67,9 @@ def test_sigkill_mid_write_leaves_only_durable_recorded_files_and_the_rerun_keep
     # the rerun: every recorded file kept (none computed again), leftovers of the kill swept
     fmt, shard = ("safetensors", 4) if kind == "shards" else ("pt", 1)
     od = OutputDir(out, fmt, shard_size=shard)
+    left = len(list(out.glob(".*.partial")))
     kept = od.prepare({"kill-target": True}, total=10**6)
+    assert od.swept == left  # (the rerun says how many temporaries it removed)
     first = {r["index"] for r in recorded}
     if shard > 1:
         first = {i + k for i in first for k in range(shard)}

@@ -74,6 +74,7 @@ class OutputDir(OutputLock, RunRecord, Resume, Manifest):
         self.unit = unit
         self.records = self.part.records_dir(self.root)  # this rank's checksums.jsonl / runs.jsonl
         self.sync_s = 0.0  # finalize's write-back of the filesystem, seconds
+        self.swept = 0  # temporaries of an interrupted run that prepare() removed
         self._lock_fd: int | None = None
         self._rank_fd: int | None = None
         self._made_root = False  # (lock() made the directory: a refused run removes it again)
@@ -145,12 +146,15 @@ class OutputDir(OutputLock, RunRecord, Resume, Manifest):
         if self.checksum is None:
             earlier = next(iter(self.checksum_records(all_ranks=True).values()), None)  # an earlier run's choice
             self.checksum = next((k for k in CHECKSUMS if k in earlier), "none") if earlier else DEFAULT_CHECKSUM
+        self.swept = 0
         for pattern in (".data_*.partial", ".shard_*.partial"):
             for p in self.root.glob(pattern):
                 if not self._owns_file(p.name[1 : -len(".partial")]):
                     continue  # (another rank's file in flight)
-                logger.info("removing partial file %s from an interrupted run", p.name)
-                p.unlink()
+                p.unlink()  # (ours: the output's lock, held, proves no other run writes here)
+                self.swept += 1
+        if self.swept:
+            logger.warning("removed %d temporary file(s) an interrupted run left in %s", self.swept, self.root)
         self._drop_torn_record()
         manifest = self.root / "manifest.json"
         marker = self.records / "done.json" if self.part.sharded else manifest

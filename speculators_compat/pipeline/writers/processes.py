@@ -136,7 +136,8 @@ def _writer_process_main(task_conn, result_conn) -> None:
                 digest, nbytes = write_sample(path, sample, task.fmt, task.checksum, durable=True, times=times)
                 done.append((t.index, digest, nbytes, int(t.input_ids.size)))
             except BaseException as e:  # reported to the driver, which stops the run
-                result_conn.send(("error", done, times.take(), t.index, f"{type(e).__name__}: {e}"))
+                err = (t.index, f"{type(e).__name__}: {e}", getattr(e, "errno", None))
+                result_conn.send(("error", done, times.take(), *err))
                 done = None
                 break
             finally:
@@ -542,8 +543,11 @@ class ProcessWriter(Writer):
                     self._times.add(msg[2])
                 for rec in msg[1]:
                     self._done(*rec)
-                if msg[0] == "error":
-                    self._fail(OutputError(f"writing sample {msg[3]} failed: {msg[4]}"))
+                if msg[0] == "error":  # (its errno kept: a full disk is told apart by the run)
+                    cause = OSError(msg[5], msg[4]) if msg[5] is not None else None
+                    err = OutputError(f"writing sample {msg[3]} failed: {msg[4]}")
+                    err.__cause__ = cause
+                    self._fail(err)
             except BaseException as e:
                 self._fail(e)
         if not ready and timeout:
