@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .signals import handle_termination, interrupted
+    from .signals import exit_by_deadline, handle_termination, interrupted
 
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args.vllm_args = rest  # (serve passes the flags it does not know to vllm serve)
     if args.fn is not _serve:  # (vLLM's server handles its own signals)
         handle_termination()  # SIGTERM / SIGHUP shut the engine down like Ctrl-C (signals.py)
+        exit_by_deadline()  # ... and end the process if that shutdown hangs
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"speculators-compat: error: {e}", file=sys.stderr)
             return 2
     from .engine.core import CaptureError, StallError, WorkerDiedError
-    from .errors import OutputError, ShardFailedError
+    from .errors import HostLostError, OutputError, ShardFailedError
 
     expected = (
         FileNotFoundError,
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         StallError,
         WorkerDiedError,
         ShardFailedError,
+        HostLostError,
     )
     try:
         return int(args.fn(args) or 0)

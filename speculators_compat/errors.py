@@ -20,6 +20,10 @@ class WorkerDiedError(RuntimeError):
     """A vLLM worker process died; the engine cannot continue (files already written are intact)."""
 
 
+class HostLostError(RuntimeError):
+    """Another host of an engine over several hosts is gone (engine/liveness.py)."""
+
+
 class ArenaSpaceError(RuntimeError):
     """The hand-off arena could not be allocated (/dev/shm too small?)."""
 

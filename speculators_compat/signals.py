@@ -64,13 +64,14 @@ def release_shared_memory() -> int:
 
     released = 0
     for obj in gc.get_objects():
-        if isinstance(obj, shared_memory.SharedMemory):
+        kind = type(obj)  # (not isinstance: that reads __class__, which some lazy modules warn on)
+        if issubclass(kind, shared_memory.SharedMemory):
             with contextlib.suppress(OSError, BufferError):
                 obj.close()
             with contextlib.suppress(OSError):
                 obj.unlink()  # (also tells the tracker)
                 released += 1
-        elif isinstance(obj, synchronize.SemLock) and getattr(obj._semlock, "name", None):
+        elif issubclass(kind, synchronize.SemLock) and getattr(obj._semlock, "name", None):
             import _multiprocessing
 
             name = obj._semlock.name
@@ -113,3 +114,59 @@ def end_process(code: int) -> None:
         except (OSError, ValueError):  # a closed or broken stream: nothing more can be said
             continue
     os._exit(code)
+
+
+#: seconds the engine's shutdown may take after SIGTERM / SIGINT / SIGHUP before the process ends
+#: anyway (a shutdown waiting on a lost host or a hung worker never returns)
+SHUTDOWN_GRACE_S = 25.0
+
+
+def exit_by_deadline(grace_s: float = SHUTDOWN_GRACE_S) -> bool:
+    """After the first SIGTERM, SIGINT or SIGHUP, end the process ``grace_s`` seconds later if it
+    is still running: the interpreter's handlers run only when the main thread runs Python, and the
+    clean-up they start may wait on a host that is gone, so a thread of its own keeps the time. It
+    hears of the signal through ``signal.set_wakeup_fd`` (written by the C-level handler, whatever
+    the main thread is doing). Main thread only, and not under an asyncio loop (which owns the
+    wakeup fd); returns whether it was set up."""
+    import os
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        if signal.set_wakeup_fd(w, warn_on_full_buffer=False) != -1:  # someone else's: leave it
+            signal.set_wakeup_fd(-1)
+            os.close(r)
+            os.close(w)
+            return False
+    except ValueError:
+        os.close(r)
+        os.close(w)
+        return False
+    watched = {int(s) for s in (*TERMINATING, signal.SIGINT)}
+
+    def watch() -> None:
+        while True:
+            data = os.read(r, 64)
+            if not data:
+                return
+            hit = next((b for b in data if b in watched), None)
+            if hit is not None:
+                threading.Timer(grace_s, _out_of_time, args=(hit, grace_s)).start()
+                return
+
+    threading.Thread(target=watch, name="speculators-compat-exit-deadline", daemon=True).start()
+    return True
+
+
+def _out_of_time(signum: int, grace_s: float) -> None:
+    import sys
+
+    name = signal.Signals(signum).name
+    print(
+        f"speculators-compat: the engine did not shut down within {grace_s:.0f} s of {name} (a lost host or a "
+        "hung worker); exiting now. Files already written are complete: run the same command again to resume",
+        file=sys.stderr,
+    )
+    end_process(128 + signum)

@@ -2,8 +2,11 @@
 (the real signal, delivered by the kernel); the pipeline-level test is
 tests/engine/test_pipeline_cli.py::test_sigterm_shuts_down_cleanly_and_resume_is_identical."""
 
+import signal
 import subprocess
 import sys
+
+import pytest
 
 SCRIPT = r"""
 import os, signal, sys
@@ -77,3 +80,52 @@ def test_an_ignored_hangup_stays_ignored():
         timeout=60,
     )
     assert r.returncode == 0 and r.stdout.split() == ["True", "True", "True"], (r.stdout, r.stderr)
+
+
+HANGS = """
+import ctypes, signal, sys, time
+from speculators_compat.signals import exit_by_deadline, handle_termination
+handle_termination()
+assert exit_by_deadline(grace_s=float(sys.argv[1]))
+print("ready", flush=True)
+try:
+    if sys.argv[2] == "c":  # the main thread stuck in C: no Python handler runs
+        ctypes.CDLL(None).pause()
+        while True:
+            ctypes.CDLL(None).pause()
+    while True:
+        time.sleep(0.1)
+finally:
+    while True:  # a shutdown that waits on a host that is gone
+        time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("where", ["cleanup", "c"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_shutdown_that_hangs_ends_by_the_deadline(sig, where):
+    """SIGTERM / SIGINT end the command within the grace period whatever its clean-up waits on (a
+    lost host: the engine's shutdown never returns) or the main thread is stuck in: the message
+    says so and how to resume, exit 128 + signal."""
+    import time
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", HANGS, "2", where], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert p.stdout.readline().strip() == "ready"
+    t = time.monotonic()
+    p.send_signal(sig)
+    try:
+        _, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("the process did not end within 30 s of the signal")
+    took = time.monotonic() - t
+    assert p.returncode == 128 + sig, err
+    assert 1.5 < took < 10, took
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"speculators-compat: the engine did not shut down within 2 s of {signal.Signals(sig).name}")
+    ), err
+    assert "run the same command again to resume" in err

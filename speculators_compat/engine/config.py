@@ -44,6 +44,8 @@ class EngineOptions:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    #: seconds without word from another host before the engine over several hosts stops (liveness.py)
+    liveness_timeout_s: float | None = None  # (None: liveness.DEFAULT_TIMEOUT_S)
     dtype: str = "auto"
     quantization: str | None = None
     trust_remote_code: bool = False

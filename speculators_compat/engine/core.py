@@ -35,11 +35,13 @@ from ..host import cuda_device_count
 from .config import EngineOptions, build_vllm_config, check_states_dtype, choose_start_method
 from .fp8 import Fp8States, quantize_rows
 from .handoff import ArenaReader, handoff_prefix, hold_handoff_lock
+from .liveness import DEFAULT_TIMEOUT_S, PORT_OFFSET, DriverWatch
 from .selfcheck import LOGPROBS, SelfCheckStats, first_logprobs, judge
 from .stages import StageMap
 from .stages import merge as merge_stages
 
 #: how long a failed batch waits for a dead worker to show (vLLM's monitor, or the process's exit)
+LOST_GRACE_S = 10.0  # how long a lost host's stop may take before the process ends (_on_host_lost)
 WORKER_DEATH_WAIT_S = 2.0
 
 logger = logging.getLogger("speculators_compat.engine")
@@ -97,6 +99,15 @@ class ExtractionEngine:
         lend = opts.zero_copy if opts.zero_copy is not None else envs.enabled("SPECULATORS_COMPAT_ZERO_COPY")
         self._reader = ArenaReader(lend=lend)
         executor_class = Executor.get_class(self.vllm_config)
+        self._watch = self._lost = None
+        pc = self.vllm_config.parallel_config
+        if getattr(pc, "nnodes", 1) > 1:  # the other hosts' beats (liveness.py), before they connect
+            self._watch = DriverWatch(
+                opts.master_addr,
+                pc.master_port + PORT_OFFSET,
+                opts.liveness_timeout_s or DEFAULT_TIMEOUT_S,
+                self._on_host_lost,
+            )
         self._worker_failed = False
         self._interrupted = False
         self._closed = True  # (until the engine is up: a failure while it starts is vLLM's to report)
@@ -258,10 +269,7 @@ class ExtractionEngine:
                 self._cleanup_handoff()
                 if interrupted:
                     raise  # Ctrl-C / SIGTERM sent to the whole process group took the workers down too
-                raise WorkerDiedError(
-                    "a vLLM worker process died during extraction; this engine is unusable. Outputs "
-                    "already written are complete; rerun to resume."
-                ) from e
+                raise WorkerDiedError(self._lost_message()) from e
             self._abandon(ids)
             raise
         errors = taken["errors"]
@@ -353,6 +361,38 @@ class ExtractionEngine:
             os.close(self._handoff_lock)
             self._handoff_lock = None
 
+    def _on_host_lost(self, lost) -> None:  # called by the liveness watch's thread (liveness.py)
+        """Another host is gone: stop the executor as vLLM's monitor does for a worker of this
+        host, so that the call the main thread waits in fails (WorkerDiedError, naming the host).
+        A call that still waits ``LOST_GRACE_S`` later (a reply vLLM waits for without a timeout)
+        ends the process: the message, this engine's /dev/shm files removed, exit status 2."""
+        if self._closed or self._lost is not None:
+            return
+        self._lost = lost
+        logger.error("speculators_compat: lost %s; stopping the engine", lost)
+        ex = getattr(getattr(self, "core", None), "model_executor", None)
+        if ex is not None:
+            ex.is_failed = True
+            threading.Thread(target=ex.shutdown, name="speculators-compat-lost-host", daemon=True).start()
+            callback, ex.failure_callback = getattr(ex, "failure_callback", None), None
+            if callback is not None:
+                callback()
+        deadline = time.monotonic() + LOST_GRACE_S
+        while not self._closed and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not self._closed:
+            from ..signals import end_process
+
+            self._cleanup_handoff()
+            print(f"speculators-compat: error: {self._lost_message()}", file=sys.stderr)
+            end_process(2)
+
+    def _lost_message(self) -> str:
+        what = f"lost {self._lost}" if self._lost else "a vLLM worker process died"
+        return (
+            f"{what} during extraction; this engine is unusable. Outputs already written are complete; rerun to resume."
+        )
+
     def _on_worker_failure(self) -> None:  # called by vLLM's worker monitor thread
         self._worker_failed = True
         # Ctrl-C or SIGTERM to the process group ends the workers too, and this thread can see it
@@ -360,7 +400,7 @@ class ExtractionEngine:
         deadline = time.monotonic() + 1.0
         while not (self._interrupted or self._closed) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not self._interrupted and not self._closed:
+        if not self._interrupted and not self._closed and self._lost is None:
             logger.error("speculators_compat: a vLLM worker process died")
 
     def _worker_died(self, wait_s: float) -> bool:
@@ -425,6 +465,8 @@ class ExtractionEngine:
         self._closed = True
         if getattr(self, "_reader", None) is not None:
             self._reader.close()
+        if getattr(self, "_watch", None) is not None:
+            self._watch.close()  # (the hosts are told this is the end, not a loss)
         if getattr(self.vllm_config.parallel_config, "nnodes", 1) > 1 and not self._worker_failed:
             try:  # the other hosts' workers end themselves (the executor ends only this host's)
                 self.executor.collective_rpc("compat_release_node", timeout=30)

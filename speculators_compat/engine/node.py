@@ -13,8 +13,11 @@ vLLM's RPC (stage.py: ``shares_driver_shm``).
 from __future__ import annotations
 
 import logging
+import threading
 
+from ..errors import HostLostError
 from .config import EngineOptions, build_vllm_config
+from .liveness import DEFAULT_TIMEOUT_S, PORT_OFFSET, keep_alive
 
 logger = logging.getLogger("speculators_compat.engine")
 
@@ -39,10 +42,22 @@ def run_worker_node(opts: EngineOptions) -> None:
         opts.master_addr,
     )
     executor = MultiprocExecutor(cfg, monitor_workers=False)
+    done, lost = threading.Event(), []
+
+    def on_lost(what) -> None:  # the driver is gone: end this host's workers, then this command
+        lost.append(what)
+        logger.error("speculators_compat: node %d lost the driver, %s; stopping this node", opts.node_rank, what)
+        executor.shutdown()
+
+    timeout = opts.liveness_timeout_s or DEFAULT_TIMEOUT_S
+    keep_alive(opts.master_addr, pc.master_port + PORT_OFFSET, opts.node_rank, timeout, on_lost, done)
     try:
         codes = _wait_for_workers(executor)
     finally:
+        done.set()
         executor.shutdown()
+    if lost:
+        raise HostLostError(f"node {opts.node_rank}: lost the driver, {lost[0]}; its run stops (rerun it to resume)")
     if any(c != 0 for c in codes):
         raise RuntimeError(f"speculators_compat: this node's workers exited with {codes}")
     logger.info("speculators_compat: the driver's engine shut down; node %d done", opts.node_rank)

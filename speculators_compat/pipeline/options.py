@@ -32,6 +32,7 @@ ENGINE_ARGS = (
     "nnodes",
     "master_addr",
     "master_port",
+    "liveness_timeout_s",
 )
 WRITER_MODES = ("auto", "thread", "process")
 #: ExtractOptions fields whose flag says the opposite, or is named otherwise
@@ -232,6 +233,14 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nnodes", type=_positive_int, default=1, help="hosts the engine's workers span")
     g.add_argument("--master-addr", default=None, help="this host's address, as the other hosts reach it")
     g.add_argument("--master-port", type=_positive_int, default=None, help="(default: vLLM's)")
+    g.add_argument(
+        "--liveness-timeout",
+        dest="liveness_timeout_s",
+        type=float,
+        default=None,
+        help="seconds without word from another host before the run stops, naming it (default 60; "
+        "the driver listens on --master-port + 1 for the hosts' beats)",
+    )
 
 
 def add_extract_args(p: argparse.ArgumentParser) -> None:

@@ -142,6 +142,8 @@ def prepare(args: argparse.Namespace, rest: list[str]) -> list[str]:
 
     if int(args.pipeline_parallel_size or 1) > 1:
         raise ValueError("serve captures in one pipeline stage: use --tensor-parallel-size (pipeline stages: extract)")
+    if getattr(args, "liveness_timeout_s", None) is not None:
+        raise ValueError("--liveness-timeout is extract's and node's: vLLM's server watches its own hosts")
     check_checkpoint(args.model)
     n = read_num_layers(args.model, args.trust_remote_code)
     ids = resolve_layers(args.layer_ids, n, args.layer_id_convention, "speculators-hs")  # upstream's

@@ -250,3 +250,64 @@ def test_upstream_class_at_pp2():
     out, log = run_snippet(UPSTREAM_PP2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=600)
     assert out is not None, log[-3000:]
     assert out["stages"] == [[1], [3, 5]] and out["order"] and out["bad"] == 0, out
+
+
+@pytest.mark.slow
+def test_a_lost_host_stops_extract_naming_it_and_the_rerun_resumes(llama_path, tmp_path):
+    """``extract`` over two hosts (both on this machine); ``node`` 1 killed with SIGKILL mid-run
+    (its workers die with it: vLLM's workers end when their parent does). The driver notices
+    through the hosts' liveness connection, stops its engine and exits non-zero within 150 s, its
+    last words naming the lost host; the files written are whole, and a rerun on one host completes
+    the dataset (the same bytes as a run that was never interrupted, at PP=1)."""
+    import signal
+    import time
+
+    from tests.helpers import make_jsonl, read_dir
+
+    make_jsonl(tmp_path / "in.jsonl", lengths=[300, 500, 400, 600] * 15, seed=6)
+    port = _free_port()
+    model = ["--model", llama_path, "--dtype", "float32", "--max-model-len", "1024", "--max-num-batched-tokens", "128"]
+    hosts = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    cli = [sys.executable, "-m", "speculators_compat.cli"]
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=str(ROOT))
+    node = subprocess.Popen(
+        [*cli, "node", *model, *hosts, "--node-rank", "1"],
+        env=dict(env, SPECULATORS_COMPAT_HANDOFF="rpc", VLLM_CPU_OMP_THREADS_BIND="1"),
+        start_new_session=True,
+    )
+    out = tmp_path / "out"
+    run = [*cli, "extract", *model, "--layer-ids", "5,1,3", "--input", str(tmp_path / "in.jsonl"), "--batch-size", "2"]
+    driver = subprocess.Popen(
+        [*run, *hosts, "--output", str(out), "--no-progress"],
+        env=dict(env, VLLM_CPU_OMP_THREADS_BIND="0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 400
+        while len(list(out.glob("data_*.pt"))) < 4 and driver.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert driver.poll() is None and len(list(out.glob("data_*.pt"))) >= 4, "no files written before the kill"
+        os.killpg(node.pid, signal.SIGKILL)  # the host goes: its command and its workers
+        t = time.time()
+        try:
+            log, _ = driver.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            pytest.fail(
+                "the driver did not exit within 150 s of losing its second host: " + driver.communicate()[0][-3000:]
+            )
+        assert driver.returncode != 0
+        last = log.rstrip().splitlines()[-1]
+        assert "lost node 1 (127.0.0.1)" in last and "rerun to resume" in last, log[-3000:]
+        print(f"driver stopped {time.time() - t:.1f} s after the host was lost: {last}")
+    finally:
+        for p in (driver, node):
+            if p.poll() is None:
+                p.kill()
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+    for d in (out, tmp_path / "ref"):
+        r = subprocess.run([*run, "--output", str(d), "--no-progress"], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert read_dir(out) == read_dir(tmp_path / "ref")
