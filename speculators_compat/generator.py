@@ -15,7 +15,7 @@ from typing import Any
 from .checkpoint import check_checkpoint
 from .engine.config import EngineOptions
 from .engine.core import ExtractionEngine
-from .engine.fp8 import Fp8States
+from .engine.fp8 import SCALES_KEY, Fp8States
 from .errors import CaptureError, CheckpointError, TokenIdError
 from .host import cuda_device_count
 from .layers import default_layer_ids, normalize_layer_ids, read_num_layers
@@ -251,7 +251,7 @@ class VllmHiddenStatesGenerator:
                     {
                         "input_ids": token_tensor(ids),
                         "hidden_states": layers.layers,
-                        "hidden_states_scales": layers.scales,
+                        SCALES_KEY: layers.scales,
                         "loss_mask": None,
                     }
                 )

@@ -144,3 +144,23 @@ def test_verify_checks_fp8_files(tmp_path, fmt):
     bf16 = [x[:, j] for j in range(x.shape[1])]  # unquantized states where FP8 ones belong
     assert "bfloat16" in write(s[:, :, 0], bf16)
     assert "3 layers, not 4" in write(s[:, :, 0], [q[:, j] for j in range(3)])
+
+
+def test_an_fp8_pt_file_of_the_first_layout_still_loads():
+    """Every FP8 ``data_{i}.pt`` names its loader by import path (torch.save records the callable):
+    ``speculators_compat.engine.fp8.load_fp8_hidden_states`` is that path for good. A file written
+    in the first layout (tests/data/fp8_states_v1.pt, kept as made) loads to the states it held."""
+    from pathlib import Path
+
+    import speculators_compat
+
+    data = Path(__file__).parent / "data"
+    assert b"speculators_compat.engine.fp8" in (data / "fp8_states_v1.pt").read_bytes()
+    speculators_compat.patch()
+    try:
+        got = torch.load(data / "fp8_states_v1.pt", weights_only=True)
+    finally:
+        speculators_compat.unpatch()
+    want = torch.load(data / "fp8_states_v1.expected.pt", weights_only=True)
+    assert got["input_ids"].tolist() == list(range(6))
+    assert all(torch.equal(a, b) for a, b in zip(got["hidden_states"], want["hidden_states"], strict=True))

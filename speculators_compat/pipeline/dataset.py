@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoint import file_crc32
 from ..errors import DatasetError
 
 
@@ -231,24 +232,12 @@ class _CrcLines:
             self.bytes += len(chunk)
 
 
-def file_crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
 def input_fingerprint(path: str | Path) -> dict:
     """The fingerprint ``scan_input`` records, by hashing alone (no parsing: GB/s, not MB/s)."""
     p = Path(path)
     if p.is_dir():
         return _dir_fingerprint(p)
-    crc, n = 0, 0
-    with open(p, "rb") as f:
-        while chunk := f.read(8 << 20):
-            crc, n = zlib.crc32(chunk, crc), n + len(chunk)
-    return {"kind": "jsonl", "bytes": n, "crc32": f"{crc:08x}"}
+    return {"kind": "jsonl", "bytes": p.stat().st_size, "crc32": file_crc32(p)}
 
 
 def _dir_fingerprint(p: Path) -> dict:

@@ -24,6 +24,7 @@ from itertools import islice
 from typing import Any
 
 from .. import versions
+from ..engine.fp8 import SCALES_KEY
 from ..engine.shm import report_orphan_shm
 from ..errors import DatasetError, OutputError, TokenIdError
 from .dataset import InputScan, Sample, check_unchanged, open_dataset, scan_input
@@ -358,8 +359,8 @@ class _Extraction:
             self.out.confirm({"hidden_size": self.counts.hidden_size})
         lm = token_tensor(mask) if mask is not None else torch.ones(n, dtype=torch.long)
         item = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"], "loss_mask": lm}
-        if "hidden_states_scales" in r:  # FP8 states (engine/fp8.py); a pt file dequantizes to the model's dtype
-            item["hidden_states_scales"], item["dequantize_dtype"] = r["hidden_states_scales"], self.dtype
+        if SCALES_KEY in r:  # FP8 states (engine/fp8.py); a pt file dequantizes to the model's dtype
+            item[SCALES_KEY], item["dequantize_dtype"] = r[SCALES_KEY], self.dtype
         return s.index, item
 
     def _close_writer(self) -> None:

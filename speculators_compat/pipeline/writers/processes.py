@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...engine.fp8 import SCALES_KEY
 from ...errors import OutputError, WriterProcessDied
 from ...files import ptfile
 from ...files.formats import file_name, write_sample
@@ -175,7 +176,7 @@ def _task_sample(t: SampleTask, maps: dict) -> dict:
         "loss_mask": torch.from_numpy(t.loss_mask),
     }
     if t.scales is not None:  # FP8 states: their per-token scales, float32 [T, 1]
-        sample["hidden_states_scales"] = rows(*t.scales, 1, torch.float32)
+        sample[SCALES_KEY] = rows(*t.scales, 1, torch.float32)
         sample["dequantize_dtype"] = t.dequantize_dtype
     return sample
 
@@ -424,7 +425,7 @@ class ProcessWriter(Writer):
         procs = self.pool.procs
         for index, sample in items:
             blocks = [self.describe(h) for h in sample["hidden_states"]]
-            scales = sample.get("hidden_states_scales")
+            scales = sample.get(SCALES_KEY)
             sblock = self.describe(scales) if scales is not None else None
             if all(b is not None for b in blocks) and (scales is None or sblock is not None):
                 h0 = sample["hidden_states"][0]
