@@ -2,8 +2,8 @@
 connector -> files -> engine -> host facts, errors, settings; patches may use the engine, never the
 reverse; inside the pipeline,
 scale/ -> extract -> writers/ -> output/ -> dataset, ranks), no import cycle between its modules
-(function-level imports included), and no function past the size a reader holds in mind (a cap
-on modules only pushed code into long functions). Read from the source with ast: nothing is
+(function-level imports included), no function past the size a reader holds in mind, and no
+module past the size a reader scans (both caps: a cap on modules alone pushed code into long functions). Read from the source with ast: nothing is
 imported."""
 
 import ast
@@ -11,6 +11,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "speculators_compat"
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 500  # a module a reader can scan; past it, split by role
 
 
 def _module_name(f: Path) -> str:
@@ -133,6 +134,15 @@ def test_no_function_is_too_long():
                 if n > MAX_FUNCTION_LINES:
                     long[f"{f.relative_to(PKG)}:{node.lineno} {node.name}"] = n
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_no_module_is_too_long():
+    long = {
+        str(f.relative_to(PKG)): n
+        for f in PKG.rglob("*.py")
+        if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by role): {long}"
 
 
 def test_the_pipeline_folders_import_one_way():
