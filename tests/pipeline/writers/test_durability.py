@@ -1,7 +1,7 @@
 """The crash guarantee of every writer: a file is recorded in checksums.jsonl only once it is
 durable (fdatasync'd under its temporary name, then renamed), and a run killed with SIGKILL in the
 middle of writing leaves only whole, recorded files that the rerun keeps (and nothing it trusts
-that was not synced). The writer runs in a child process (tests/pipeline/kill_target.py) that
+that was not synced). The writer runs in a child process (tests/pipeline/writers/kill_target.py) that
 logs, in every process of it, each fdatasync and rename in the order they happen."""
 
 import json
@@ -17,13 +17,13 @@ import pytest
 
 from speculators_compat.pipeline.output.outdir import OutputDir
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run_and_kill(out: Path, kind: str, log: Path, records: int) -> None:
     env = dict(os.environ, SC_KILL_TARGET_LOG=str(log), PYTHONPATH=str(ROOT))
     p = subprocess.Popen(
-        [sys.executable, "-m", "tests.pipeline.kill_target", str(out), kind],
+        [sys.executable, "-m", "tests.pipeline.writers.kill_target", str(out), kind],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -1,5 +1,5 @@
-"""A writer run for the crash tests (test_durability.py) to kill: ``python -m
-tests.pipeline.kill_target OUT KIND LOG`` writes samples through the pipeline's ``KIND`` writer
+"""A writer run for the crash tests (tests/pipeline/writers/test_durability.py) to kill: ``python -m
+tests.pipeline.writers.kill_target OUT KIND LOG`` writes samples through the pipeline's ``KIND`` writer
 (thread, process or shards) until it is killed. Every process of it, the writer processes too
 (spawn imports this module in each), appends to LOG one line per fdatasync and per rename, in the
 order they happen (O_APPEND), so the test can tell whether each recorded file was synced before it
