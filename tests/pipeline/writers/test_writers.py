@@ -371,3 +371,24 @@ def test_waiting_for_writer_processes_to_start_is_not_counted_as_a_slow_disk(tmp
     bw2.close()
     assert bw2.start_wait_s == 0.0 and (tmp_path / "o2" / "data_3.pt").exists()
     arena.close()
+
+
+def test_a_full_disk_in_a_writer_process_is_told_apart(small_disk):
+    """A writer process's ENOSPC reaches the run as a full disk (its errno kept across the pipe),
+    which extract turns into 'no space left on DIR: N GB more needed'."""
+    from speculators_compat.pipeline.preflight import disk_full
+    from speculators_compat.pipeline.writers import processes as w
+
+    disk = small_disk("1m")
+    arena, reader, items = lent_samples(disk.parent, n=6, rows=(600,), hidden=256, arena_bytes=8 << 20)
+    out = OutputDir(disk)
+    out.prepare({"m": 1})
+    bw = w.ProcessWriter(out, reader.describe, queue_size=1, processes=1)
+    with pytest.raises(OutputError) as err:
+        for i in range(len(items)):
+            bw.put([items[i]])
+        bw.close()
+    assert disk_full(err.value), repr(err.value)
+    assert "No space left on device" in str(err.value)
+    w.shutdown_writer_pool()
+    arena.close()
