@@ -66,7 +66,7 @@ class DriverWatch:
         self.timeout_s, self.on_lost = timeout_s, on_lost
         self.closing = threading.Event()
         self.conns: list[socket.socket] = []
-        self.server = socket.create_server((addr, port), reuse_port=False)
+        self.server = socket.create_server((addr, port))
         self.server.settimeout(0.5)
         threading.Thread(target=self._accept, name="speculators-compat-liveness", daemon=True).start()
 

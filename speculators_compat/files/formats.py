@@ -236,8 +236,8 @@ def distinct_states(name: str, states) -> dict[str, Any]:
     return out
 
 
-def atomic_write(path: Path, data: bytes | memoryview, durable: bool = False) -> None:
-    write_parts(path, [data], durable)
+def atomic_write(path: Path, data: bytes | memoryview) -> None:
+    write_parts(path, [data])
 
 
 _O_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)

@@ -45,13 +45,12 @@ class StageTimes:
             setattr(self, f.name, type(getattr(self, f.name))())
         return out
 
-    def report(self) -> dict:
-        """{stage: {"s": seconds, "s_per_gb": seconds per GB written}} and the totals (the run record)."""
+    def report(self, **more: float) -> dict:
+        """{stage: {"s": seconds, "s_per_gb": seconds per GB written}} and the totals (the run
+        record); ``more``: other named seconds to put beside them the same way (the engine's)."""
         gb = self.bytes / 1e9
-        out = {
-            name: {"s": round(getattr(self, name), 4), "s_per_gb": round(getattr(self, name) / gb, 4) if gb else None}
-            for name in STAGES
-        }
+        seconds = {**{name: getattr(self, name) for name in STAGES}, **more}
+        out = {name: {"s": round(s, 4), "s_per_gb": round(s / gb, 4) if gb else None} for name, s in seconds.items()}
         return {**out, "files": self.files, "bytes": self.bytes}
 
 

@@ -462,9 +462,4 @@ class _Extraction:
         engine's calls (its hand-off of rows to host memory included), each writer stage summed over
         the writer threads or processes (files/stages.py), and the final write-back before the
         manifest (wall-clock)."""
-        times = self.writer.stage_times()
-        gb = times.bytes / 1e9
-        out = times.report()
-        for name, s in (("engine", self.counts.generate_s), ("final_sync", self.out.sync_s)):
-            out[name] = {"s": round(s, 4), "s_per_gb": round(s / gb, 4) if gb else None}
-        return out
+        return self.writer.stage_times().report(engine=self.counts.generate_s, final_sync=self.out.sync_s)

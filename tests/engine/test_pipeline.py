@@ -343,6 +343,14 @@ def test_a_run_bound_by_its_disk_says_so(gen, llama_path, tmp_path, monkeypatch,
     assert len(files) == 12 and s["bytes_written"] == sum(f.stat().st_size for f in files)
     assert 0 < s["write_mib_per_s"] < s["bytes_written"] / 2**20 / 2.5  # 12 files at >= 0.25 s each
     assert read_dir(tmp_path / "slow") == read_dir(tmp_path / "fast")  # slow, but the same data
+    # the run record's account of where the bytes' time went (files/stages.py)
+    st = fast["stages"]
+    assert st["files"] == 12 and st["bytes"] == fast["bytes_written"]
+    gb = st["bytes"] / 1e9
+    for name in ("encode", "checksum", "write", "sync", "rename", "record", "engine", "final_sync"):
+        # (s_per_gb is computed before "s" is rounded to 0.1 ms)
+        assert st[name]["s"] >= 0 and st[name]["s_per_gb"] == pytest.approx(st[name]["s"] / gb, abs=0.6e-4 / gb), name
+    assert st["engine"]["s"] > 0 and st["write"]["s"] > 0
 
 
 def _flip_a_bit(p: Path, keep_mtime: bool = False) -> None:
