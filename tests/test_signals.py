@@ -87,8 +87,8 @@ import ctypes, signal, sys, time
 from speculators_compat.signals import exit_by_deadline, handle_termination
 handle_termination()
 assert exit_by_deadline(grace_s=float(sys.argv[1]))
-print("ready", flush=True)
-try:
+try:  # (a signal that lands while "ready" is printed unwinds into the hanging clean-up too)
+    print("ready", flush=True)
     if sys.argv[2] == "c":  # the main thread stuck in C: no Python handler runs
         ctypes.CDLL(None).pause()
         while True:
