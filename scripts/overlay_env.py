@@ -177,7 +177,7 @@ def build(release: str, kernels: str, force: bool = False) -> dict:
     stamp_file = d / ".speculators-compat-ready"
     py = str(d / "bin" / "python")
     if not force and stamp_file.exists() and stamp_file.read_text().strip() == stamp:
-        ee.run([ee.uv(), "pip", "install", "-q", "-p", py, "--no-deps", "-e", str(ee.REPO)])
+        ee.install_self(py)
         ee.log(f"overlay {name}: reused {d} ({time.time() - t0:.1f}s)")
         return {"version": name, "action": "reused", "path": str(d)}
     if d.exists():
@@ -220,7 +220,7 @@ def build(release: str, kernels: str, force: bool = False) -> dict:
     shim = write_standalone_runner_shim(site, pkg)
     if shim:
         ee.log(f"  {shim}")
-    ee.run([ee.uv(), "pip", "install", "-q", "-p", py, "--no-deps", "-e", str(ee.REPO)])
+    ee.install_self(py)
     subprocess.run([py, "-m", "compileall", "-q", "-j", "0", str(pkg)], capture_output=True)
     out = subprocess.run(
         [

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README; .ci/run calls it).
-#   1. unit tests in a light env (wrapt + packaging + pytest only: proves no torch/vLLM is needed),
+#   1. unit tests in a light env (the package's own few dependencies + pytest: proves no torch/vLLM is needed),
 #      ruff, and the wheel installed into a fresh venv (scripts/wheel_check.sh);
 #   2. the real-engine matrix: for each vLLM version, build/reuse its CPU environment and run the
 #      suite (unit + engine) there, one engine at a time (markers: below);

@@ -24,10 +24,10 @@ import hashlib
 import json
 import os
 import struct
-import zlib
 from pathlib import Path
 
 from .errors import CheckpointError
+from .files.crc import crc32
 
 TENSOR_SAMPLE_BYTES = 4 << 10  # read at a tensor's start, middle and end
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
@@ -185,11 +185,11 @@ def _sampled_sha256(path: Path, spans: list[tuple[int, int]]) -> str:
 
 
 def file_crc32(path: Path) -> str:
-    """CRC-32 of a whole file (zlib releases the GIL: files hash in parallel on threads)."""
+    """CRC-32 of a whole file (crc32 releases the GIL: files hash in parallel on threads)."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return f"{crc:08x}"
 
 

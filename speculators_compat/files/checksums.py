@@ -1,6 +1,6 @@
 """Each output file's checksum: ``crc32`` (zlib's CRC-32, as zip and gzip use; the default),
 ``sha256`` or ``none``. A record names its algorithm by its key (``"crc32": 8 hex digits`` or
-``"sha256": hex``). crc32 is the default because it costs about a third of sha256's CPU, which
+``"sha256": hex``). crc32 is the default because it costs a small part of sha256's CPU, which
 the pipeline measurably gained from (docs/benchmarks.md); a ``data_{i}.pt`` file's crc32 is made
 from the CRCs its zip records already hold (crc.of_parts), so the states are not read again.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import io
-import zlib
 from pathlib import Path
+
+from .crc import crc32
 
 CHECKSUMS = ("crc32", "sha256", "none")
 
@@ -19,13 +20,13 @@ DEFAULT_CHECKSUM = "crc32"
 
 
 class _Crc32:
-    """zlib.crc32 behind hashlib's update/hexdigest (zlib releases the GIL on large buffers too)."""
+    """crc.crc32 behind hashlib's update/hexdigest (it releases the GIL on large buffers too)."""
 
     def __init__(self, data=b""):
-        self.v = zlib.crc32(data)
+        self.v = crc32(data)
 
     def update(self, b) -> None:
-        self.v = zlib.crc32(b, self.v)
+        self.v = crc32(b, self.v)
 
     def hexdigest(self) -> str:
         return f"{self.v:08x}"

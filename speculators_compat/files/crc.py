@@ -11,17 +11,29 @@ built from the record CRCs the archive already has, with the identity
 where P is CRC-32's polynomial and the product is of polynomials over GF(2): zlib's pre- and
 post-inversion cancel between the two sides. That costs a few microseconds per piece whatever its
 size (the power of x is cached per length), so only pieces of at least ``COMBINE_FROM`` bytes are
-combined; smaller ones are hashed in place. Stdlib only.
+combined; smaller ones are hashed in place.
+
+``crc32`` is the one CRC-32 function of the package: zlib-ng's (carry-less multiply, several times
+zlib's speed; docs/benchmarks.md), or the standard library's where zlib-ng is not installed. Both
+compute the same value and release the GIL on large buffers.
 """
 
 from __future__ import annotations
 
-import zlib
 from functools import lru_cache
+
+try:
+    from zlib_ng.zlib_ng import crc32
+
+    IMPLEMENTATION = "zlib-ng"
+except ImportError:  # (a platform without zlib-ng's wheel: the same CRC, slower)
+    from zlib import crc32
+
+    IMPLEMENTATION = "zlib"
 
 POLY = 0xEDB88320  # CRC-32's polynomial, bit-reversed: bit 31 holds x^0, bit 0 holds x^31
 ONE = 1 << 31  # the polynomial 1 in that order
-COMBINE_FROM = 64 << 10  # below this, zlib.crc32 over the bytes is about as cheap as combining
+COMBINE_FROM = 64 << 10  # below this, hashing the bytes is about as cheap as combining
 
 
 def multiply(a: int, b: int) -> int:
@@ -78,5 +90,5 @@ def of_parts(parts, known: dict[int, int] | None = None, crc: int = 0) -> int:
         if c is not None and n >= COMBINE_FROM:
             crc = combine(crc, c, n)
         else:
-            crc = zlib.crc32(p, crc)
+            crc = crc32(p, crc)
     return crc

@@ -33,11 +33,11 @@ import pickle
 import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from typing import Any
 
 from .. import envs
+from .crc import crc32
 
 logger = logging.getLogger("speculators_compat.pipeline")
 
@@ -227,7 +227,7 @@ class Encoder:
             start = offset + _LOCAL.size + len(bname) + 4
             pad = -start % ALIGN
             t = time.perf_counter()
-            crc = zlib.crc32(data)
+            crc = crc32(data)
             out.crc_s += time.perf_counter() - t
             size = len(data)
             out.append(

@@ -7,13 +7,13 @@ Each sample: ``{"input_ids": [int, ...], "loss_mask": [0/1, ...]}`` (loss_mask o
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import file_crc32
 from ..errors import DatasetError
+from ..files.crc import crc32
 
 
 @dataclass
@@ -222,13 +222,13 @@ class _CrcLines:
 
     def __iter__(self):
         for line in self.f:
-            self.crc = zlib.crc32(line, self.crc)
+            self.crc = crc32(line, self.crc)
             self.bytes += len(line)
             yield line
 
     def rest(self) -> None:
         while chunk := self.f.read(8 << 20):
-            self.crc = zlib.crc32(chunk, self.crc)
+            self.crc = crc32(chunk, self.crc)
             self.bytes += len(chunk)
 
 

@@ -306,7 +306,7 @@ def _add_writing_args(p: argparse.ArgumentParser) -> None:
         choices=CHECKSUMS,
         default=None,
         help="each file's checksum in checksums.jsonl and manifest.json (default: what an earlier "
-        "run into --output used, else crc32: zlib's CRC-32, ~3x less CPU than sha256)",
+        "run into --output used, else crc32: the CRC-32 of zip and gzip, far less CPU than sha256)",
     )
     p.add_argument(
         "--verify-existing",

@@ -48,3 +48,29 @@ def test_a_big_piece_with_a_known_crc_is_not_read_again():
     lie = {1: zlib.crc32(big) ^ 1, 2: zlib.crc32(small) ^ 1}
     assert crc.of_parts([b"x", big, small], lie) != true
     assert crc.of_parts([b"x", big, small], {2: lie[2]}) == true
+
+
+def test_the_package_crc32_is_zlibs_crc32_whichever_library_computes_it():
+    """crc.crc32 (zlib-ng's where installed) gives zlib's value on every length, alone and
+    continued; with zlib-ng hidden the module falls back to the standard library's."""
+    import subprocess
+    import sys
+
+    rng = random.Random(1)
+    for n in [0, 1, 15, 16, 63, 64, 4095, 1 << 16, (1 << 20) + 7]:
+        data = rng.randbytes(n)
+        assert crc.crc32(data) == zlib.crc32(data), n
+        assert crc.crc32(data[n // 3 :], crc.crc32(data[: n // 3])) == zlib.crc32(data), n
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, zlib; sys.modules['zlib_ng'] = None\n"
+            "from speculators_compat.files import crc\n"
+            "print(crc.IMPLEMENTATION, crc.crc32(b'speculators') == zlib.crc32(b'speculators'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.stdout.split() == ["zlib", "True"], r.stderr
