@@ -31,6 +31,7 @@ import stat
 
 from .. import envs
 from ..files import locks
+from . import hosts
 
 SETTINGS_ENV = "SPECULATORS_COMPAT_SERVE_FILES"  # JSON: folder, tokens, max_body, reserve (envs.py)
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}\.safetensors")
@@ -48,10 +49,14 @@ class HiddenStatesFiles:
         self.tokens = [t for t in cfg.get("tokens") or () if t]
         self.max_body = int(cfg.get("max_body") or 32 << 20)
         self.reserve = int(cfg.get("reserve") or 0)
+        self.watching = bool(cfg.get("watching"))  # several hosts: a lost one fails every request (hosts.py)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        gone = hosts.lost()
+        if gone is not None:  # (/health too: a load balancer takes the server out)
+            return await _refuse(send, gone)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         method = scope["method"]
         if self.folder and path.endswith(".safetensors") and method in ("GET", "DELETE"):
@@ -71,8 +76,14 @@ class HiddenStatesFiles:
                         f"need up to {self.reserve:,}"
                     )
                     return await _error(send, 507, msg, "InsufficientStorageError")
-            return await self.app(scope, _replay(body, receive), send)
-        return await self.app(scope, receive, send)
+            return await self._inner(scope, _replay(body, receive), send)
+        return await self._inner(scope, receive, send)
+
+    async def _inner(self, scope, receive, send):
+        """vLLM's app for this request; over several hosts, failed with 503 if one is lost meanwhile."""
+        if not self.watching:
+            return await self.app(scope, receive, send)
+        return await hosts.unless_lost(lambda s: self.app(scope, receive, s), send, _refuse)
 
     async def _body(self, scope, receive, send) -> bytes | None:
         """The whole body, or None once a 413 was sent (over the cap, by its header or as it came)."""
@@ -215,6 +226,10 @@ async def _lock_free(full: str) -> bool:
             return False
         await asyncio.sleep(0.05)
     return True
+
+
+async def _refuse(send, gone):
+    return await _error(send, 503, hosts.message(gone), "ServiceUnavailableError")
 
 
 async def _error(send, status: int, message: str, kind: str, code: int | None = None):
