@@ -67,14 +67,21 @@ def _serve(args) -> int:
     return main_serve(args, args.vllm_args)
 
 
-def _node(args) -> int:
+def node_options(args):
+    """The EngineOptions a ``node`` host's workers start with: every engine setting from its flags
+    (the driver's states dtype excepted: its workers are told it at set-up)."""
+    from .engine import settings
     from .engine.config import EngineOptions
-    from .engine.node import run_worker_node
-    from .pipeline.options import ENGINE_ARGS
 
-    engine = {k: getattr(args, k) for k in ENGINE_ARGS if getattr(args, k, None) is not None}
-    engine.pop("states_dtype", None)  # (the driver's: its workers are told at set-up)
-    run_worker_node(EngineOptions(model=args.model, node_rank=args.node_rank, **engine))
+    engine = settings.from_args(args, EngineOptions)
+    engine.pop("states_dtype", None)
+    return EngineOptions(model=args.model, node_rank=args.node_rank, **engine)
+
+
+def _node(args) -> int:
+    from .engine.node import run_worker_node
+
+    run_worker_node(node_options(args))
     return 0
 
 

@@ -13,6 +13,7 @@ from numbers import Integral
 from typing import Any
 
 from .checkpoint import check_checkpoint
+from .engine import settings
 from .engine.config import EngineOptions
 from .engine.core import ExtractionEngine
 from .engine.fp8 import SCALES_KEY, Fp8States
@@ -137,72 +138,48 @@ class VllmHiddenStatesGenerator:
         gpu_memory_utilization: float = 0.8,
         tensor_parallel_size: int = 1,
         *,
-        pipeline_parallel_size: int = 1,
-        distributed_executor_backend: str = "mp",
-        nnodes: int = 1,
-        master_addr: str | None = None,
-        master_port: int | None = None,
-        liveness_timeout_s: float | None = None,
-        dtype: str = "auto",
-        quantization: str | None = None,
-        trust_remote_code: bool = False,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int | None = None,
-        enable_expert_parallel: bool = False,
-        async_scheduling: str | None = None,
         layer_id_convention: str = "upstream",
         on_overlength: str = "truncate",
         zero_copy: bool | None = None,
         self_check: bool | None = None,
-        states_dtype: str = "auto",
         engine_kwargs: dict | None = None,
+        **engine: Any,
     ):
+        """``engine``: any other engine setting by name (EngineOptions' declared fields, the flags of
+        ``extract``: ``pipeline_parallel_size``, ``dtype``, ``states_dtype``, ``nnodes``, ...)."""
         if isinstance(model_path, os.PathLike):
             model_path = os.fspath(model_path)  # (vLLM itself calls str methods on it)
         if not isinstance(model_path, str):
             raise TypeError(f"model_path must be a path (str or os.PathLike), not {type(model_path).__name__}")
         if on_overlength not in ("truncate", "error"):
             raise ValueError(f"on_overlength must be 'truncate' or 'error', not {on_overlength!r}")
-        for name, size in (
-            ("tensor_parallel_size", tensor_parallel_size),
-            ("pipeline_parallel_size", pipeline_parallel_size),
-        ):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"{name} must be a positive integer, not {size!r}")
-        if distributed_executor_backend != "ray":  # (Ray places the workers on its cluster's nodes)
-            _check_devices(tensor_parallel_size, pipeline_parallel_size, nnodes)
+        engine = settings.keywords(
+            EngineOptions,
+            dict(
+                engine,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+            ),
+        )
+        opts = EngineOptions(
+            model=model_path,
+            zero_copy=zero_copy,
+            self_check=self_check,
+            engine_kwargs=dict(engine_kwargs or {}),
+            **engine,
+        )
+        if opts.distributed_executor_backend != "ray":  # (Ray places the workers on its cluster's nodes)
+            _check_devices(opts.tensor_parallel_size, opts.pipeline_parallel_size, opts.nnodes)
         self.model_path = model_path
         self.tensor_parallel_size = tensor_parallel_size
         self.on_overlength = on_overlength
         self._tokenizer = None
         check_checkpoint(model_path)  # a damaged or missing file named now, not as a worker's start-up failure
-        num_layers = read_num_layers(model_path, trust_remote_code)
+        num_layers = read_num_layers(model_path, opts.trust_remote_code)
         self.num_layers = num_layers
         self.layer_ids = resolve_layers(layer_ids, num_layers, layer_id_convention)
         self.layer_id_convention = layer_id_convention
-        opts = EngineOptions(
-            model=model_path,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            distributed_executor_backend=distributed_executor_backend,
-            nnodes=nnodes,
-            master_addr=master_addr,
-            master_port=master_port,
-            liveness_timeout_s=liveness_timeout_s,
-            dtype=dtype,
-            quantization=quantization,
-            trust_remote_code=trust_remote_code,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            enable_expert_parallel=enable_expert_parallel,
-            async_scheduling=async_scheduling,
-            zero_copy=zero_copy,
-            self_check=self_check,
-            states_dtype=states_dtype,
-            engine_kwargs=dict(engine_kwargs or {}),
-        )
         self._engine = ExtractionEngine(opts, self.layer_ids)
         if self._engine.model_info["num_layers"] != num_layers:
             raise RuntimeError(

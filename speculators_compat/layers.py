@@ -129,7 +129,9 @@ def resolve(
     ``--format speculators-hs``, else ``upstream``. No ids: speculators >= 0.5's default for that
     format (a model under 6 layers repeats an id there, as speculators' own default does), else
     upstream's. ``extract``, ``plan``, ``--dry-run`` and the generator all ask this."""
-    native = fmt == "speculators-hs"
+    from .files.registry import get_format
+
+    native = fmt is not None and get_format(fmt).layer_ids == "eagle3"
     convention = convention or ("eagle3" if native else "upstream")
     if layer_ids is None and native:
         return normalize_layer_ids(native_default_layer_ids(num_layers), num_layers, "eagle3", allow_duplicates=True)

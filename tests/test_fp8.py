@@ -114,7 +114,8 @@ def test_a_pt_file_of_fp8_states_dequantizes_at_load_only_with_the_patch(tmp_pat
 
 @pytest.mark.parametrize("fmt", ["pt", "safetensors", "speculators-hs"])
 def test_verify_checks_fp8_files(tmp_path, fmt):
-    from speculators_compat.files.formats import file_name, write_sample
+    from speculators_compat.files.formats import write_sample
+    from speculators_compat.files.registry import file_name
     from speculators_compat.pipeline.output.verify import check_fp8_file
 
     x = _states(seed=6)

@@ -109,7 +109,7 @@ def test_the_flags_reach_the_engine_settings():
     "kw, message",
     [
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be an integer >= 1, not 0"),
-        (dict(distributed_executor_backend="uni"), r"distributed_executor_backend must be one of \('mp', 'ray'\)"),
+        (dict(distributed_executor_backend="uni"), "distributed_executor_backend must be one of mp, ray, not 'uni'"),
         (dict(nnodes=2), "needs master_addr: the address of node rank 0"),
         (dict(nnodes=2, node_rank=2, master_addr="h"), "node_rank must be in 0..nnodes-1"),
         (dict(nnodes=2, master_addr="h", distributed_executor_backend="ray"), "Ray places workers on its nodes"),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..engine.config import check_states_dtype
+
 try:  # the base class vLLM's scheduler hands to its workers (absent only outside vLLM: unit tests)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata as _Meta
 except ImportError:  # pragma: no cover
@@ -42,9 +44,6 @@ class CaptureStep(_Meta):
 
     def __bool__(self) -> bool:
         return bool(self.new or self.restarted or self.finished or self.dropped)
-
-
-STATES_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -83,10 +82,10 @@ class ConnectorSettings:
                 raise ValueError(f"speculators_compat connector: layer_ids must be a list of integers, not {ids!r}")
             ids = tuple(ids)
         dtype = extra.get("states_dtype", "auto")
-        if dtype not in STATES_DTYPES:
-            raise ValueError(
-                f"speculators_compat connector: states_dtype must be one of {STATES_DTYPES}, not {dtype!r}"
-            )
+        try:
+            check_states_dtype(dtype)
+        except ValueError as e:
+            raise ValueError(f"speculators_compat connector: {e}") from None
         check = extra.get("self_check", True)
         if not isinstance(check, bool):
             raise ValueError(f"speculators_compat connector: self_check must be true or false, not {check!r}")

@@ -12,47 +12,122 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .settings import FRACTION, HOSTS, SECONDS, check_all, check_value, declare, declared, int_at_least, one_of
+
 logger = logging.getLogger("speculators_compat.engine")
 WORKER_EXTENSION = "speculators_compat.engine.worker.CaptureExtension"
 
 
 ASYNC_CHOICES = ("disable", "keep")
+STATES_DTYPES = ("auto", "fp8")
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 def resolve_async(strategy: str | None) -> str:
     """``keep`` (None: vLLM's own choice of async scheduling) or ``disable``."""
     s = "keep" if strategy is None else strategy
     if s not in ASYNC_CHOICES:
-        raise ValueError(f"async_scheduling must be one of {ASYNC_CHOICES} or None, not {s!r}")
+        raise ValueError(f"async_scheduling must be one of {', '.join(ASYNC_CHOICES)} or None, not {s!r}")
     return s
+
+
+_MODEL_LEN = int_at_least(2, none="None for the model's own", why=" (prompts keep at most max_model_len - 1 tokens)")
+_SIZE = int_at_least(1, none="None for vLLM's default")
 
 
 @dataclass
 class EngineOptions:
+    """An engine's settings. A field declared with ``declare`` is a user's setting: the drop-in
+    constructor's keyword and a flag of extract, serve, node and plan (settings.py); the others are
+    set by the library."""
+
     model: str
     tokenizer: str | None = None
-    max_model_len: int = 2048
-    gpu_memory_utilization: float = 0.8
-    tensor_parallel_size: int = 1
-    #: pipeline stages; each stage's first TP rank captures the layers it computes (capture.py)
-    pipeline_parallel_size: int = 1
-    #: "mp" (worker processes; vLLM 0.32+ also across nodes) or "ray" (vLLM's Ray executor: nodes of a Ray cluster)
-    distributed_executor_backend: str = "mp"
+    max_model_len: int = field(
+        default=2048, metadata=declare("longest prompt + 1, in tokens", parse=int, check=_MODEL_LEN)
+    )
+    gpu_memory_utilization: float = field(
+        default=0.8, metadata=declare("share of each GPU's memory vLLM takes", parse=float, check=FRACTION)
+    )
+    tensor_parallel_size: int = field(
+        default=1, metadata=declare("GPUs one stage's layers are split over", parse=int, check=int_at_least(1))
+    )
+    #: each stage's first TP rank captures the layers it computes (capture.py)
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=declare(
+            "pipeline stages (vLLM's); each stage captures the layers it computes (docs/multi-node.md)",
+            parse=int,
+            check=int_at_least(1),
+            serve="refuse",
+            serve_note="serve captures in one pipeline stage: use --tensor-parallel-size (pipeline stages: extract)",
+        ),
+    )
+    distributed_executor_backend: str = field(
+        default="mp",
+        metadata=declare(
+            "mp: worker processes (vLLM 0.32+: also on other hosts, --nnodes); ray: vLLM's Ray executor, "
+            "workers on the nodes of the Ray cluster RAY_ADDRESS names (docs/multi-node.md)",
+            choices=EXECUTOR_BACKENDS,
+            check=one_of(EXECUTOR_BACKENDS),
+        ),
+    )
     #: hosts one engine's workers span with the multiprocessing executor (vLLM 0.32+): this host's
     #: rank among them (0: the driver's) and where rank 0 listens (node.py runs the other hosts)
-    nnodes: int = 1
+    nnodes: int = field(
+        default=1,
+        metadata=declare(
+            "hosts the engine's workers span", parse=int, check=int_at_least(1), group=HOSTS, serve="flag-if-set"
+        ),
+    )
     node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
-    #: seconds without word from another host before the engine over several hosts stops (liveness.py)
-    liveness_timeout_s: float | None = None  # (None: liveness.DEFAULT_TIMEOUT_S)
-    dtype: str = "auto"
-    quantization: str | None = None
-    trust_remote_code: bool = False
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    enable_expert_parallel: bool = False
-    async_scheduling: str | None = None  # "disable" | "keep" (None: keep, vLLM's own choice)
+    master_addr: str | None = field(
+        default=None, metadata=declare("the driver's host address, as the other hosts reach it", group=HOSTS)
+    )
+    master_port: int | None = field(
+        default=None,
+        metadata=declare("(default: vLLM's)", parse=int, check=int_at_least(1, none="None for vLLM's"), group=HOSTS),
+    )
+    liveness_timeout_s: float | None = field(
+        default=None,
+        metadata=declare(
+            "seconds without word from another host before the run stops, naming it (default 60; the "
+            "driver listens on --master-port + 1 for the hosts' beats)",
+            parse=float,
+            check=SECONDS,
+            flag="--liveness-timeout",
+            group=HOSTS,
+            serve="ours",
+        ),
+    )  # (None: liveness.DEFAULT_TIMEOUT_S)
+    dtype: str = field(default="auto", metadata=declare("the model's compute dtype (vLLM's --dtype)"))
+    quantization: str | None = field(
+        default=None, metadata=declare("vLLM's --quantization (default: the checkpoint's)")
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=declare(
+            "run the checkpoint's own config/tokenizer code (Kimi-K2.5 needs it)", switch=True, serve="switch"
+        ),
+    )
+    max_num_batched_tokens: int | None = field(
+        default=None, metadata=declare("tokens per engine step (default: vLLM's)", parse=int, check=_SIZE)
+    )
+    max_num_seqs: int | None = field(
+        default=None, metadata=declare("sequences per engine step (default: vLLM's)", parse=int, check=_SIZE)
+    )
+    enable_expert_parallel: bool = field(
+        default=False, metadata=declare("MoE experts spread over the GPUs (vLLM's)", switch=True, serve="switch")
+    )
+    async_scheduling: str | None = field(
+        default=None,
+        metadata=declare(
+            "keep (default): vLLM's own choice of async scheduling; disable: off",
+            choices=ASYNC_CHOICES,
+            check=one_of(ASYNC_CHOICES, none="None (keep)"),
+            serve="no-",
+        ),
+    )
     seed: int = 0
     enforce_eager: bool = True
     #: "fork" | "spawn" | None (spawn on CUDA hosts: see choose_start_method; elsewhere vLLM's choice, CPU: spawn)
@@ -61,40 +136,31 @@ class EngineOptions:
     zero_copy: bool | None = None
     #: check every request's sampled token against its captured state (None: SPECULATORS_COMPAT_SELF_CHECK)
     self_check: bool | None = None
-    #: "auto": the model's dtype; "fp8": e4m3 with one float32 scale per token (fp8.py)
-    states_dtype: str = "auto"
+    states_dtype: str = field(
+        default="auto",
+        metadata=declare(
+            "auto: the model's dtype; fp8: e4m3 with one float32 scale per token, quantized on the "
+            "device as speculators' hs-connectors fp8 backend does (half the bytes of bf16; docs/storage.md)",
+            choices=STATES_DTYPES,
+            check=one_of(STATES_DTYPES),
+            serve="ours",
+        ),
+    )
     engine_kwargs: dict = field(default_factory=dict)  # passed through to EngineArgs
 
 
-STATES_DTYPES = ("auto", "fp8")
-EXECUTOR_BACKENDS = ("mp", "ray")
-
-
 def check_states_dtype(name) -> str:
-    if name not in STATES_DTYPES:
-        raise ValueError(f"states_dtype must be one of {STATES_DTYPES}, not {name!r}")
+    check_value(next(f for f in declared(EngineOptions) if f.name == "states_dtype"), name)
     return name
 
 
 def check_sizes(opts: EngineOptions) -> None:
-    """Refuse sizes vLLM would take silently or only fail on later: ``max_num_seqs=0`` and
-    ``max_num_batched_tokens=0`` ran as if unset (vLLM 0.32), and ``max_model_len=1`` started the
-    engine only for every prompt to be cut to nothing (one position is kept back, as upstream does)."""
-    bad = bad_int
-    check_states_dtype(opts.states_dtype)
+    """Refuse values vLLM would take silently or only fail on later (each declared setting by its
+    own check: ``max_num_seqs=0`` and ``max_num_batched_tokens=0`` ran as if unset on vLLM 0.32, and
+    ``max_model_len=1`` started the engine only for every prompt to be cut to nothing), and the
+    multi-host settings together."""
+    check_all(opts)
     check_nodes(opts)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if bad(getattr(opts, name), 1):
-            raise ValueError(f"{name} must be an integer >= 1, not {getattr(opts, name)!r}")
-    if opts.max_model_len is not None and bad(opts.max_model_len, 2):
-        raise ValueError(
-            f"max_model_len must be an integer >= 2 (prompts keep at most max_model_len - 1 "
-            f"tokens) or None for the model's own, not {opts.max_model_len!r}"
-        )
-    for name in ("max_num_batched_tokens", "max_num_seqs"):
-        v = getattr(opts, name)
-        if v is not None and bad(v, 1):
-            raise ValueError(f"{name} must be an integer >= 1 or None for vLLM's default, not {v!r}")
 
 
 def build_vllm_config(opts: EngineOptions):
@@ -164,22 +230,14 @@ def _multi_node_args(opts: EngineOptions) -> dict:
 
 def check_nodes(opts: EngineOptions) -> None:
     """The multi-host settings, before vLLM starts (``_multi_node_args``)."""
-    if opts.distributed_executor_backend not in EXECUTOR_BACKENDS:
-        raise ValueError(
-            f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, not {opts.distributed_executor_backend!r}"
-        )
     if opts.nnodes == 1 and opts.node_rank == 0:
         return
-    if bad_int(opts.nnodes, 1) or bad_int(opts.node_rank, 0) or opts.node_rank >= opts.nnodes:
+    if int_at_least(1).wrong(opts.nnodes) or int_at_least(0).wrong(opts.node_rank) or opts.node_rank >= opts.nnodes:
         raise ValueError(f"node_rank must be in 0..nnodes-1 and nnodes >= 1, not {opts.node_rank!r} of {opts.nnodes!r}")
     if opts.distributed_executor_backend != "mp":
         raise ValueError("nnodes/node_rank are the multiprocessing executor's; Ray places workers on its nodes itself")
     if not opts.master_addr:
         raise ValueError("a run over several hosts needs master_addr: the address of node rank 0 (the driver's host)")
-
-
-def bad_int(v, least: int) -> bool:
-    return isinstance(v, bool) or not isinstance(v, int) or v < least
 
 
 def _pin_v1_runner() -> None:

@@ -1,4 +1,5 @@
-"""The output's data files: names, encodings and atomic writes.
+"""The built-in output formats (registered in registry.py: names, where they go, which layer ids)
+and the writing of data files: encodings and atomic writes.
 
     data_{i}.pt           {"input_ids": LongTensor[T], "hidden_states": [Tensor[T, H] per layer],
                            "loss_mask": LongTensor[T]}  (torch.save's bytes, built by ptfile;
@@ -32,6 +33,7 @@ from typing import Any
 from ..engine.fp8 import SCALES_KEY, PtStates
 from . import crc, ptfile
 from .checksums import DEFAULT_CHECKSUM, HashingFile, new_digest
+from .registry import Format, get_format, register
 from .stages import Clock, StageTimes
 
 logger = logging.getLogger("speculators_compat.pipeline")
@@ -41,26 +43,6 @@ SHARD_FILE_RE = re.compile(r"^shard_(\d+)\.safetensors$")
 
 def shard_name(k: int) -> str:
     return f"shard_{k}.safetensors"
-
-
-DATA_FILE_RE = re.compile(r"^(data|hs)_(\d+)\.(pt|safetensors)$")
-#: each format's file name: prefix and extension
-FORMATS = {"pt": ("data", "pt"), "safetensors": ("data", "safetensors"), "speculators-hs": ("hs", "safetensors")}
-_FORMAT_OF = {name: fmt for fmt, name in FORMATS.items()}
-
-
-def file_name(index: int, fmt: str) -> str:
-    prefix, ext = FORMATS[fmt]
-    return f"{prefix}_{index}.{ext}"
-
-
-def data_file_index(name: str, fmt: str | None = None) -> int | None:
-    """The sample index of data file ``name`` (of format ``fmt``, when given), else None."""
-    m = DATA_FILE_RE.match(name)
-    found = m and _FORMAT_OF.get((m.group(1), m.group(3)))
-    if not found or (fmt is not None and found != fmt):
-        return None
-    return int(m.group(2))
 
 
 def write_sample(
@@ -75,16 +57,31 @@ def write_sample(
     """Write ``sample`` atomically to ``path``; returns (checksum hex or None, bytes). With
     ``durable`` the file's data reaches the disk (fdatasync) before it is renamed into place, so a
     file under its own name survives a power cut whole. ``times``: where each stage's seconds go
-    (stages.py).
+    (stages.py). The bytes are the format's (registry.py): its own writer where it has one (pt),
+    else its serialised sample written with one call."""
+    clock = Clock(times)
+    f = get_format(fmt)
+    if f.write is not None:
+        return f.write(path, sample, checksum, durable, clock, times)
+    return _write_bytes(path, f.serialise(sample), checksum, durable, clock, times)
 
-    A ``pt`` sample is built by :mod:`ptfile` (torch.save's bytes, written from the states' own
+
+def _write_bytes(path, data, checksum, durable, clock, times) -> tuple[str | None, int]:
+    """A file of ``data`` (a format's serialised sample), hashed as it is."""
+    clock.lap("encode")
+    digest = new_digest(checksum, data).hexdigest()
+    clock.lap("checksum")
+    return digest, _counted(times, write_parts(path, [data], durable, clock))
+
+
+def _write_pt(path, sample, checksum, durable, clock, times) -> tuple[str | None, int]:
+    """A ``pt`` file: built by :mod:`ptfile` (torch.save's bytes, written from the states' own
     memory, faster: docs/benchmarks.md) unless it declines. Otherwise a sample whose states exceed
     ``SMALL_SAMPLE_BYTES`` streams torch.save into the file through a hash (no in-memory copy); a
     smaller one is serialised in memory and written with one call. All give the same bytes."""
-    clock = Clock(times)
-    if fmt == "pt" and SCALES_KEY in sample:  # FP8 states: torch.save writes the loader call
+    if SCALES_KEY in sample:  # FP8 states: torch.save writes the loader call
         sample = _pt_fp8_sample(_unowned_states(sample))
-    elif fmt == "pt":
+    else:
         parts = ptfile.encode(sample)  # torch.save's bytes, built directly; None: torch.save must write it
         if parts is not None:
             clock.lap("encode", minus=parts.crc_s)
@@ -99,14 +96,10 @@ def write_sample(
             clock.lap("checksum")
             return digest, _counted(times, write_parts(path, parts, durable, clock))
         sample = _unowned_states(sample)
-    if fmt != "pt" or _payload_bytes(sample) <= SMALL_SAMPLE_BYTES:
-        # safetensors, or a small sample: serialise in memory, write once, hash the same bytes
-        # (torch.save streaming into a file makes ~64 small writes a file)
-        data = _SERIALISE[fmt](sample)
-        clock.lap("encode")
-        digest = new_digest(checksum, data).hexdigest()
-        clock.lap("checksum")
-        return digest, _counted(times, write_parts(path, [data], durable, clock))
+    if _payload_bytes(sample) <= SMALL_SAMPLE_BYTES:
+        # a small sample: serialise in memory, write once, hash the same bytes (torch.save
+        # streaming into a file makes ~64 small writes a file)
+        return _write_bytes(path, _torch_bytes(sample), checksum, durable, clock, times)
     import torch
 
     tmp = path.with_name(f".{path.name}.partial")
@@ -218,9 +211,6 @@ def _hs_bytes(sample: dict[str, Any]) -> bytes:
     return save(tensors)
 
 
-_SERIALISE = {"pt": _torch_bytes, "safetensors": _safetensors_bytes, "speculators-hs": _hs_bytes}
-
-
 def distinct_states(name: str, states) -> dict[str, Any]:
     """``{name.format(j): state}`` with every state contiguous and in memory of its own.
     safetensors refuses to save two tensors over the same memory, and a layer id listed twice
@@ -321,3 +311,51 @@ def done_from_shards(root: Path, shard_size: int, total: int | None) -> set[int]
         else:
             logger.info("shard %s stops at sample %d, short of its range: it is computed again", p.name, end)
     return done
+
+
+def _read_pt(path: Path) -> dict[str, Any]:
+    """A pt file's contents; FP8 states as stored (e4m3 layers and their scales), not dequantized."""
+    import torch
+
+    from ..engine.fp8 import Fp8States, raw_pt_states
+
+    with raw_pt_states():
+        d = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    states = d["hidden_states"]
+    if isinstance(states, Fp8States):
+        d["hidden_states"], d[SCALES_KEY] = list(states.layers), states.scales
+    return d
+
+
+def _read_safetensors(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    d = load_file(str(path))
+    n = sum(1 for k in d if k.startswith("hidden_states_") and k != SCALES_KEY)
+    out = {k: v for k, v in d.items() if not k.startswith("hidden_states_") or k == SCALES_KEY}
+    out["hidden_states"] = [d[f"hidden_states_{j}"] for j in range(n)]
+    return out
+
+
+def _read_hs(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    d = load_file(str(path))
+    hs = d["hidden_states"]
+    out = {"input_ids": d["token_ids"], "hidden_states": [hs[:, j] for j in range(hs.shape[1])]}
+    if SCALES_KEY in d:
+        out[SCALES_KEY] = d[SCALES_KEY].reshape(-1, 1)
+    return out
+
+
+PT = register(
+    Format("pt", "data", "pt", _torch_bytes, _read_pt, sample_lengths=True, write=_write_pt),
+)
+SAFETENSORS = register(
+    Format("safetensors", "data", "safetensors", _safetensors_bytes, _read_safetensors, shardable=True)
+)
+SPECULATORS_HS = register(
+    Format(
+        "speculators-hs", "hs", "safetensors", _hs_bytes, _read_hs, layer_ids="eagle3", states_subdir="hidden_states"
+    )
+)

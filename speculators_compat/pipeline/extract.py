@@ -27,6 +27,7 @@ from .. import versions
 from ..engine.fp8 import SCALES_KEY
 from ..engine.shm import report_orphan_shm
 from ..errors import DatasetError, OutputError, TokenIdError
+from ..files.registry import get_format
 from .dataset import InputScan, Sample, check_unchanged, open_dataset, scan_input
 from .options import ExtractOptions
 from .output.layout import Layout
@@ -406,7 +407,7 @@ class _Extraction:
             "versions": versions.report(),
             "hidden_size": self.counts.hidden_size or self.out.recorded().get("hidden_size"),
         }
-        if self.opts.fmt == "speculators-hs":  # (its trainer's config names them as vLLM does)
+        if get_format(self.opts.fmt).layer_ids == "eagle3":  # (its trainer's config names them as vLLM does)
             extra["layer_ids_vllm"] = [i + 1 for i in self.ids]
         return extra
 

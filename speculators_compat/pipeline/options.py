@@ -1,7 +1,9 @@
 """The options of ``extract`` and ``plan``: the command-line flags (shared by both), and
 :class:`ExtractOptions`, the one record of an extraction's settings that the CLI, the launchers
 and Python callers build and ``run_extract`` reads. Adding an extract flag: its ``add_argument``
-here and its field in ExtractOptions (``from_args`` takes every field by name)."""
+here and its field in ExtractOptions (``from_args`` takes every field by name). The engine's own
+settings are declared once, in EngineOptions (engine/settings.py), and reach every command from
+there."""
 
 from __future__ import annotations
 
@@ -11,29 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..engine.config import EXECUTOR_BACKENDS, STATES_DTYPES, check_states_dtype
+from ..engine import settings
+from ..engine.config import EngineOptions, check_states_dtype
 from ..files.checksums import CHECKSUMS, check_checksum
+from ..files.registry import format_names, get_format
 
-#: settings of the engine itself (the generator's keyword arguments), as the CLI names them
-ENGINE_ARGS = (
-    "max_model_len",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "distributed_executor_backend",
-    "dtype",
-    "quantization",
-    "trust_remote_code",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "gpu_memory_utilization",
-    "enable_expert_parallel",
-    "async_scheduling",
-    "states_dtype",
-    "nnodes",
-    "master_addr",
-    "master_port",
-    "liveness_timeout_s",
-)
 WRITER_MODES = ("auto", "thread", "process")
 #: ExtractOptions fields whose flag says the opposite, or is named otherwise
 _FROM_FLAG = {"fmt": ("format", False), "progress": ("no_progress", True), "self_check": ("no_self_check", True)}
@@ -84,7 +68,7 @@ class ExtractOptions:
             flag, negated = _FROM_FLAG.get(f.name, (f.name, False))
             if hasattr(args, flag):
                 kw[f.name] = not getattr(args, flag) if negated else getattr(args, flag)
-        kw["engine"] = {k: getattr(args, k) for k in ENGINE_ARGS if hasattr(args, k)}
+        kw["engine"] = settings.from_args(args, EngineOptions)
         return cls(**kw)
 
     @property
@@ -121,17 +105,17 @@ class ExtractOptions:
                 "--states-dtype fp8 is written one file a sample (--format speculators-hs, pt or "
                 "safetensors), not in shards: leave out --shard-size"
             )
-        if self.fmt != "speculators-hs":
+        if not get_format(self.fmt).states_subdir:  # (no trainer dataset beside its files)
             return
         if self.on_overlength == "skip":
             raise ValueError(
-                "--format speculators-hs: --on-overlength skip would leave a dataset row with no "
-                "hs_{i}.safetensors (its trainer would try to generate it): use truncate or error"
+                f"--format {self.fmt}: --on-overlength skip would leave a dataset row with no "
+                "states file (its trainer would try to generate it): use truncate or error"
             )
         if os.path.realpath(output) == os.path.realpath(input_path):
             raise ValueError(
-                f"--format speculators-hs: --output {output} is the input dataset; extract writes its "
-                "own input_ids/loss_mask dataset into --output (beside hidden_states/), which would "
+                f"--format {self.fmt}: --output {output} is the input dataset; extract writes its "
+                "own input_ids/loss_mask dataset into --output (beside the states), which would "
                 "replace the input's files: give another directory"
             )
         from .output.trainer_dataset import require_datasets
@@ -163,16 +147,6 @@ def _int_at_least(least: int):
 _positive_int = _int_at_least(1)
 
 
-def _fraction(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        v = -1.0
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], not {s!r}")
-    return v
-
-
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory (or hub id, if reachable)")
     p.add_argument(
@@ -189,58 +163,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "speculators >= 0.5's: id k = the output of k layers); default: eagle3 with --format "
         "speculators-hs, else upstream",
     )
-    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
-    p.add_argument(
-        "--pipeline-parallel-size",
-        type=_positive_int,
-        default=1,
-        help="pipeline stages (vLLM's); each stage captures the layers it computes (docs/multi-node.md)",
-    )
-    p.add_argument(
-        "--distributed-executor-backend",
-        choices=EXECUTOR_BACKENDS,
-        default="mp",
-        help="mp: worker processes on this host; ray: vLLM's Ray executor, workers on the nodes of "
-        "the Ray cluster RAY_ADDRESS names (docs/multi-node.md)",
-    )
-    add_node_args(p)
-    p.add_argument("--max-model-len", type=_int_at_least(2), default=2048)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None)
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="needed for Kimi-K2.5 (its config/tokenizer classes ship inside the checkpoint)",
-    )
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.8)
-    p.add_argument("--enable-expert-parallel", action="store_true")
-    p.add_argument(
-        "--states-dtype",
-        choices=STATES_DTYPES,
-        default="auto",
-        help="auto: the model's dtype; fp8: e4m3 with one float32 scale per token, quantized on the "
-        "device as speculators' hs-connectors fp8 backend does (half the bytes of bf16; "
-        "docs/storage.md)",
-    )
-
-
-def add_node_args(p: argparse.ArgumentParser) -> None:
-    """One engine over several hosts with vLLM's multiprocessing executor (vLLM 0.32+): this host is
-    node rank 0, the driver; the others run ``speculators-compat node`` with the same flags."""
-    g = p.add_argument_group("one engine over several hosts (docs/multi-node.md)")
-    g.add_argument("--nnodes", type=_positive_int, default=1, help="hosts the engine's workers span")
-    g.add_argument("--master-addr", default=None, help="this host's address, as the other hosts reach it")
-    g.add_argument("--master-port", type=_positive_int, default=None, help="(default: vLLM's)")
-    g.add_argument(
-        "--liveness-timeout",
-        dest="liveness_timeout_s",
-        type=float,
-        default=None,
-        help="seconds without word from another host before the run stops, naming it (default 60; "
-        "the driver listens on --master-port + 1 for the hosts' beats)",
-    )
+    settings.add_engine_args(p, EngineOptions)  # (every engine setting, as declared: engine/settings.py)
 
 
 def add_extract_args(p: argparse.ArgumentParser) -> None:
@@ -262,15 +185,7 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="output directory (data_{i}.pt + manifest.json)")
     p.add_argument("--batch-size", type=_positive_int, default=8)
     p.add_argument("--max-samples", type=_int_at_least(0), default=None)
-    p.add_argument(
-        "--format",
-        choices=("pt", "safetensors", "speculators-hs"),
-        default="pt",
-        help="pt: speculators 0.3/0.4's data_{i}.pt, one file a sample (their trainers read these; "
-        "with sample_lengths.json); safetensors: data_{i}.safetensors, or shards with "
-        "--shard-size; speculators-hs: speculators >= 0.5's layout, OUTPUT/hidden_states/"
-        "hs_{i}.safetensors + the input_ids/loss_mask dataset in OUTPUT (its --data-path)",
-    )
+    _add_format_arg(p)
     p.add_argument(
         "--shard-size",
         type=_positive_int,
@@ -280,7 +195,6 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         "1: one file a sample. Shards are written on --writer-threads threads, far slower than "
         "data_{i}.pt files (docs/benchmarks.md): for small states only",
     )
-    p.add_argument("--async-scheduling", choices=("disable", "keep"), default=None)
     p.add_argument("--on-overlength", choices=("truncate", "error", "skip"), default="truncate")
 
 
@@ -356,8 +270,21 @@ def _add_scale_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_format_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--format",
+        choices=format_names(),
+        default="pt",
+        help="pt: speculators 0.3/0.4's data_{i}.pt, one file a sample (their trainers read these; "
+        "with sample_lengths.json); safetensors: data_{i}.safetensors, or shards with "
+        "--shard-size; speculators-hs: speculators >= 0.5's layout, OUTPUT/hidden_states/"
+        "hs_{i}.safetensors + the input_ids/loss_mask dataset in OUTPUT (its --data-path)",
+    )
+
+
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    _add_format_arg(p)  # (its layer-id convention and default ids)
     p.add_argument("--input", default=None, help="dataset, to size the output (optional)")
     p.add_argument("--num-samples", type=_positive_int, default=None)
     p.add_argument("--avg-tokens", type=float, default=None)

@@ -17,26 +17,13 @@ import logging
 import os
 import sys
 
+from . import hosts
+
 logger = logging.getLogger("speculators_compat.serve")
 
 CONNECTOR = "CaptureConnector"
 CONNECTOR_MODULE = "speculators_compat.connector"
 MIDDLEWARE = "speculators_compat.serve.files.HiddenStatesFiles"
-#: our engine flags that vLLM's server takes under the same name
-VLLM_FLAGS = (
-    "tensor_parallel_size",
-    "distributed_executor_backend",
-    "max_model_len",
-    "dtype",
-    "quantization",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "gpu_memory_utilization",
-    "nnodes",
-    "master_addr",
-    "master_port",
-)
-SWITCHES = ("trust_remote_code", "enable_expert_parallel")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -84,12 +71,7 @@ def connector_config(args: argparse.Namespace, native_ids: list[int] | None) -> 
 def vllm_argv(args: argparse.Namespace, native_ids: list[int] | None, rest: list[str]) -> list[str]:
     """``vllm serve``'s arguments for ``args`` plus the flags we do not know (``rest``, last: a
     flag given there wins)."""
-    argv = ["serve", args.model, "--host", args.host, "--port", str(args.port)]
-    for name in VLLM_FLAGS:
-        value = getattr(args, name, None)
-        if value is not None and not (name == "nnodes" and value == 1):
-            argv += ["--" + name.replace("_", "-"), str(value)]
-    argv += ["--" + n.replace("_", "-") for n in SWITCHES if getattr(args, n, False)]
+    argv = ["serve", args.model, "--host", args.host, "--port", str(args.port)] + engine_flags(args)
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
     argv += ["--enforce-eager", "--no-enable-prefix-caching"]
@@ -100,6 +82,29 @@ def vllm_argv(args: argparse.Namespace, native_ids: list[int] | None, rest: list
     return argv + list(rest)
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine settings among ``args`` as ``vllm serve`` takes them, each as its declaration says
+    (engine/settings.py: Setting.serve); ValueError for one serve cannot honour."""
+    from ..engine import settings
+    from ..engine.config import EngineOptions
+
+    argv: list[str] = []
+    for f in settings.declared(EngineOptions):
+        s, value, flag = settings.setting(f), getattr(args, f.name, None), settings.flag_of(f)
+        default = value == settings.default_of(f)
+        if value is None or s.serve == "ours" or (default and s.serve in ("refuse", "flag-if-set")):
+            continue  # (ours: the connector's config or our host watch take it)
+        if s.serve == "refuse":
+            raise ValueError(s.serve_note)
+        if s.serve == "switch":
+            argv += [flag] if value else []
+        elif s.serve == "no-":
+            argv += [] if value == "keep" else ["--no-" + flag[2:]]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def _has_render_endpoints() -> bool:
     """Does this vLLM have the render endpoints (``--enable-scale-out``; absent in 0.20)?"""
     import importlib.util
@@ -108,6 +113,14 @@ def _has_render_endpoints() -> bool:
         return importlib.util.find_spec("vllm.entrypoints.scale_out") is not None
     except ImportError:  # (no vLLM here: the flag is harmless to name, and the command line is all we make)
         return True
+
+
+def _api_servers(rest: list[str]) -> int:
+    for i, a in enumerate(rest):
+        if a.startswith("--api-server-count"):
+            value = a.partition("=")[2] or (rest[i + 1] if i + 1 < len(rest) else "1")
+            return int(value) if value.isdigit() else 1
+    return 1
 
 
 def api_keys(rest: list[str]) -> list[str]:
@@ -140,10 +153,11 @@ def prepare(args: argparse.Namespace, rest: list[str]) -> list[str]:
     from ..layers import read_num_layers
     from ..layers import resolve as resolve_layers
 
-    if int(args.pipeline_parallel_size or 1) > 1:
-        raise ValueError("serve captures in one pipeline stage: use --tensor-parallel-size (pipeline stages: extract)")
-    if getattr(args, "liveness_timeout_s", None) is not None:
-        raise ValueError("--liveness-timeout is extract's and node's: vLLM's server watches its own hosts")
+    engine_flags(args)  # (a setting serve refuses, named before anything is read)
+    if hosts.watch_of(args) is not None and _api_servers(rest) > 1:
+        raise ValueError(
+            "serve over several hosts runs one API server (its host watch fails their requests): drop --api-server-count"
+        )
     check_checkpoint(args.model)
     n = read_num_layers(args.model, args.trust_remote_code)
     ids = resolve_layers(args.layer_ids, n, args.layer_id_convention, "speculators-hs")  # upstream's
@@ -161,6 +175,7 @@ def prepare(args: argparse.Namespace, rest: list[str]) -> list[str]:
     from .files import SETTINGS_ENV
 
     settings = {
+        "watching": hosts.watch_of(args) is not None,
         "folder": os.path.abspath(folder),
         "tokens": api_keys(rest),
         "max_body": int(args.max_request_mb * (1 << 20)),
@@ -175,6 +190,14 @@ def main_serve(args: argparse.Namespace, rest: list[str]) -> int:
     logger.info("vllm %s", " ".join(argv))
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    watch = hosts.start(hosts.watch_of(args))  # (the nodes connect as soon as they start)
     sys.argv = ["vllm", *argv]
-    vllm_main()
+    try:
+        vllm_main()
+    finally:
+        if watch is not None and hosts.lost() is None:
+            watch.close()  # (a normal end: the nodes are told, and end quietly)
+    gone = hosts.lost()
+    if gone is not None:  # (vLLM's server stopped first, on SIGTERM: the run still failed)
+        hosts.finish(gone)
     return 0

@@ -144,7 +144,7 @@ def test_bad_constructor_arguments(llama_path, tmp_path):
         (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1"),
         (dict(max_num_seqs=2.5), "max_num_seqs must be an integer"),
-        (dict(tensor_parallel_size=True), "tensor_parallel_size must be a positive integer"),
+        (dict(tensor_parallel_size=True), "tensor_parallel_size must be an integer >= 1"),
     ]:
         with pytest.raises(ValueError, match=text):
             VllmHiddenStatesGenerator(llama_path, **kw)

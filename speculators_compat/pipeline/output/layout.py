@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-STATES_SUBDIR = {"speculators-hs": "hidden_states"}
+from ...files.registry import format_names, get_format, states_subdirs
+
 RECORDS = ("manifest.json", "checksums.jsonl", "run.json")
 
 
@@ -30,28 +31,29 @@ class Layout:
     def of_states(cls, states, fmt: str) -> Layout:
         """The layout whose states (and records) folder is ``states``."""
         states = Path(states)
-        return cls(states.parent if fmt in STATES_SUBDIR else states, fmt)
+        return cls(states.parent if get_format(fmt).states_subdir else states, fmt)
 
     @classmethod
     def find(cls, path) -> Layout:
         """The layout of an existing output, given the folder the user named or its states folder
         (``verify``): read from its run.json."""
         path = Path(path)
-        for states in (path, *(path / sub for sub in STATES_SUBDIR.values())):
+        for states in (path, *(path / sub for sub in states_subdirs())):
             try:
                 fmt = json.loads((states / "run.json").read_text()).get("format", "pt")
             except (OSError, ValueError):
                 continue
             return cls.of_states(states, fmt)
-        hs = [path / sub for sub in STATES_SUBDIR.values() if (path / sub).is_dir()]
+        hs = [path / sub for sub in states_subdirs() if (path / sub).is_dir()]
         if not any((path / n).exists() for n in RECORDS) and hs:
-            return cls.of_states(hs[0], next(iter(STATES_SUBDIR)))
+            fmt = next(n for n in format_names() if get_format(n).states_subdir == hs[0].name)
+            return cls.of_states(hs[0], fmt)
         return cls(path, "pt")
 
     @property
     def states(self) -> Path:
         """The data files and the run's records (run.json, checksums.jsonl, rank_{K}/)."""
-        sub = STATES_SUBDIR.get(self.fmt)
+        sub = get_format(self.fmt).states_subdir
         return self.output / sub if sub else self.output
 
     @property
@@ -61,4 +63,4 @@ class Layout:
     @property
     def trainer_dataset(self) -> Path | None:
         """Where the trainer's input_ids/loss_mask dataset goes (None: the format has none)."""
-        return self.output if self.fmt in STATES_SUBDIR else None
+        return self.output if get_format(self.fmt).states_subdir else None

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from ...files.checksums import CHECKSUMS, DEFAULT_CHECKSUM, file_digest
-from ...files.formats import atomic_write, file_name, shard_name
+from ...files.formats import atomic_write, shard_name
+from ...files.registry import file_name, get_format
 from ..ranks import merged_extra
 from .layout import Layout
 
@@ -75,7 +76,11 @@ class Manifest:
             # of a resumed dataset is byte-identical to an uninterrupted one's)
             rec = {k: v for k, v in rec.items() if (k not in CHECKSUMS or k == algo) and k not in _RUN_KEYS}
             files.append(rec)
-        if self.fmt == "pt" and self.shard_size == 1 and all(f.get("tokens") is not None for f in files):
+        if (
+            get_format(self.fmt).sample_lengths
+            and self.shard_size == 1
+            and all(f.get("tokens") is not None for f in files)
+        ):
             # speculators 0.4.x's trainer batches by these lengths (without them it guesses from
             # file sizes); its offline script writes the same file
             lengths = {str(f["index"]): f["tokens"] for f in files}

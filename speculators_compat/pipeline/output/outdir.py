@@ -37,7 +37,8 @@ from pathlib import Path
 
 from ...errors import OutputError
 from ...files.checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum
-from ...files.formats import SHARD_FILE_RE, atomic_write, data_file_index, done_from_shards
+from ...files.formats import SHARD_FILE_RE, atomic_write, done_from_shards
+from ...files.registry import data_file_index
 from ..ranks import Part
 from .layout import Layout
 from .manifest import Manifest

@@ -8,7 +8,8 @@ import logging
 from pathlib import Path
 
 from ...files.checksums import CHECKSUMS, file_digest
-from ...files.formats import SHARD_FILE_RE, data_file_index
+from ...files.formats import SHARD_FILE_RE
+from ...files.registry import data_file_index
 from .outlock import RANK_DIR_RE
 
 logger = logging.getLogger("speculators_compat.pipeline")

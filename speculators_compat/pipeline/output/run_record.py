@@ -7,7 +7,8 @@ import json
 import logging
 
 from ...errors import OutputError
-from ...files.formats import SHARD_FILE_RE, atomic_write, data_file_index
+from ...files.formats import SHARD_FILE_RE, atomic_write
+from ...files.registry import data_file_index
 from .outlock import RANK_DIR_RE
 
 logger = logging.getLogger("speculators_compat.pipeline")

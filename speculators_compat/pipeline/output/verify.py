@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 
 from ...files.checksums import CHECKSUMS, file_digest
-from ...files.formats import SHARD_FILE_RE, data_file_index
+from ...files.formats import SHARD_FILE_RE
+from ...files.registry import data_file_index, get_format
 from .layout import Layout
 from .outdir import OutputDir
 
@@ -121,30 +122,13 @@ def check_fp8_file(path: Path, run: dict) -> str | None:
 
 
 def _fp8_contents(path: Path, fmt: str) -> tuple[list, object, int]:
-    """(e4m3 states per layer, scales, tokens) of an FP8 data file of format ``fmt``."""
-    import torch
+    """(e4m3 states per layer, scales, tokens) of an FP8 data file of format ``fmt`` (its reader)."""
+    from ...engine.fp8 import SCALES_KEY
 
-    from ...engine.fp8 import SCALES_KEY, Fp8States, raw_pt_states
-
-    if fmt == "pt":
-        with raw_pt_states():
-            d = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        fp8 = d["hidden_states"]
-        if not isinstance(fp8, Fp8States):
-            raise ValueError("its hidden_states are not FP8 states")
-        return list(fp8.layers), fp8.scales, int(d["input_ids"].numel())
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
-        if fmt == "speculators-hs":
-            hs = f.get_tensor("hidden_states")
-            states, tokens = [hs[:, j] for j in range(hs.shape[1])], int(f.get_slice("token_ids").get_shape()[0])
-        else:
-            n = sum(1 for k in keys if k.startswith("hidden_states_") and k != SCALES_KEY)
-            states = [f.get_tensor(f"hidden_states_{j}") for j in range(n)]
-            tokens = int(f.get_slice("input_ids").get_shape()[0])
-        return states, f.get_tensor(SCALES_KEY), tokens
+    d = get_format(fmt).read(path)
+    if SCALES_KEY not in d:
+        raise ValueError("its hidden_states are not FP8 states (no scales)")
+    return list(d["hidden_states"]), d[SCALES_KEY], int(d["input_ids"].numel())
 
 
 def _completeness(root: Path, records: list[dict], finished: bool) -> dict:

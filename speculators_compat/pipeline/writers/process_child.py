@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ...engine.fp8 import SCALES_KEY
-from ...files.formats import file_name, write_sample
+from ...files.formats import write_sample
+from ...files.registry import file_name
 from ...files.stages import StageTimes
 
 _FRAME = 8  # bytes of the little-endian length that precedes each pickled task

@@ -16,7 +16,8 @@ from typing import Any
 from ...engine.fp8 import SCALES_KEY
 from ...errors import OutputError, WriterProcessDied
 from ...files import ptfile
-from ...files.formats import file_name, write_sample
+from ...files.formats import write_sample
+from ...files.registry import file_name
 from ...files.stages import StageTimes
 from ...host import cuda_device_count, usable_cpus
 from ..output.outdir import OutputDir

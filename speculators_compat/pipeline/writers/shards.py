@@ -39,6 +39,7 @@ from typing import Any
 
 from ...files.checksums import new_digest
 from ...files.formats import SHARD_TAG, distinct_states, read_shard_range, shard_name, write_parts
+from ...files.registry import format_names, get_format
 from ...files.stages import Clock, StageTimes
 from .threads import ChecksumLog, Writer, default_writer_threads
 
@@ -49,10 +50,11 @@ def check_shard_size(shard_size: Any, fmt: str, writer: str) -> int:
     """The shard size, or a ValueError that names what is wrong with it."""
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(f"--shard-size must be an integer >= 1 (samples per file), not {shard_size!r}")
-    if shard_size > 1 and fmt != "safetensors":
+    if shard_size > 1 and not get_format(fmt).shardable:
+        shardable = " or ".join(n for n in format_names() if get_format(n).shardable)
         raise ValueError(
-            f"--shard-size {shard_size} needs --format safetensors: speculators' trainer reads one "
-            f"data_{{i}}.pt per sample, so the pt format is never sharded"
+            f"--shard-size {shard_size} needs --format {shardable}: the {fmt} format is one file a sample "
+            "(speculators' trainers read it so)"
         )
     if shard_size > 1 and writer == "process":
         raise ValueError(

@@ -17,7 +17,8 @@ import time
 
 from ...errors import OutputError
 from ...files.checksums import DEFAULT_CHECKSUM
-from ...files.formats import file_name, write_sample
+from ...files.formats import write_sample
+from ...files.registry import file_name
 from ...files.stages import StageTimes
 from ...host import usable_cpus
 from ..output.outdir import OutputDir
