@@ -27,7 +27,7 @@ import struct
 from pathlib import Path
 
 from .errors import CheckpointError
-from .files.crc import crc32
+from .files.checksums import file_digest
 
 TENSOR_SAMPLE_BYTES = 4 << 10  # read at a tensor's start, middle and end
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
@@ -157,14 +157,6 @@ def check_max_model_len(max_model_len: int | None, limits: dict, model: str) -> 
         )
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _tensor_spans(raw: bytes, data_start: int) -> list[tuple[int, int]]:
     """(file offset, bytes) of every tensor in a safetensors file, in file order."""
     header = json.loads(raw)
@@ -182,15 +174,6 @@ def _sampled_sha256(path: Path, spans: list[tuple[int, int]]) -> str:
                 f.seek(start + off)
                 h.update(f.read(min(n, 3 * k) if n <= 3 * k else k))
     return h.hexdigest()
-
-
-def file_crc32(path: Path) -> str:
-    """CRC-32 of a whole file (crc32 releases the GIL: files hash in parallel on threads)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            crc = crc32(chunk, crc)
-    return f"{crc:08x}"
 
 
 def _weight_entry(f: Path, known: dict | None) -> dict:
@@ -220,8 +203,8 @@ def fingerprint_checkpoint(model: str, known: dict | None = None) -> dict:
         return {"hub_id": model}
     p = Path(model).expanduser()
     fp: dict = {
-        "config.json": _sha256(p / "config.json"),
-        "tokenizer": {n: _sha256(p / n) for n in TOKENIZER_FILES if (p / n).is_file()},
+        "config.json": file_digest(p / "config.json", "sha256"),
+        "tokenizer": {n: file_digest(p / n, "sha256") for n in TOKENIZER_FILES if (p / n).is_file()},
         "weights": {},
     }
     old = (known or {}).get("weights") or {}
@@ -230,7 +213,7 @@ def fingerprint_checkpoint(model: str, known: dict | None = None) -> dict:
     todo = [n for n, e in fp["weights"].items() if e["crc32"] is None]
     if todo:
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16)) as pool:
-            for n, crc in zip(todo, pool.map(lambda n: file_crc32(p / n), todo)):
+            for n, crc in zip(todo, pool.map(lambda n: file_digest(p / n, "crc32"), todo)):
                 fp["weights"][n]["crc32"] = crc
     return fp
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import file_crc32
 from ..errors import DatasetError
+from ..files.checksums import file_digest
 from ..files.crc import crc32
 
 
@@ -237,7 +237,7 @@ def input_fingerprint(path: str | Path) -> dict:
     p = Path(path)
     if p.is_dir():
         return _dir_fingerprint(p)
-    return {"kind": "jsonl", "bytes": p.stat().st_size, "crc32": file_crc32(p)}
+    return {"kind": "jsonl", "bytes": p.stat().st_size, "crc32": file_digest(p, "crc32")}
 
 
 def _dir_fingerprint(p: Path) -> dict:
@@ -245,7 +245,7 @@ def _dir_fingerprint(p: Path) -> dict:
     return {
         "kind": "saved dataset",
         "dataset_fingerprint": state.get("_fingerprint"),
-        "files": {f.name: {"bytes": f.stat().st_size, "crc32": file_crc32(f)} for f in arrow_files(p)},
+        "files": {f.name: {"bytes": f.stat().st_size, "crc32": file_digest(f, "crc32")} for f in arrow_files(p)},
     }
 
 
