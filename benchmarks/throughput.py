@@ -85,6 +85,25 @@ def _file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
     return {"write_us": round(per_file, 1), "files": n}
 
 
+def _plain_write_s(root: str, sizes: list[int]) -> float:
+    """Seconds for one thread to write files of ``sizes`` bytes into ``root``, each with one write
+    and fdatasync (no encoding, no checksum): what the filesystem takes at its plainest, the
+    baseline the pipeline's disk rate is held against (the files are deleted afterwards, untimed)."""
+    d = tempfile.mkdtemp(prefix="plain-", dir=root)
+    data = memoryview(os.urandom(max(sizes)))
+    t = time.perf_counter()
+    for i, n in enumerate(sizes):
+        fd = os.open(os.path.join(d, f"data_{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data[:n])
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    dt = time.perf_counter() - t
+    shutil.rmtree(d)
+    return dt
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama", help="tiny model name (llama, llama-100m, llama-1b) or a path")
@@ -383,6 +402,13 @@ def main(argv=None) -> int:
 
         return run
 
+    # the plain write of the run's unquantized bytes, a file a prompt, to each output directory
+    plain_sizes = [n * hidden * len(layer_ids_resolved) * getattr(torch, a.dtype).itemsize for n in lengths]
+
+    def time_plain():
+        for od in out_dirs:
+            rec(f"plain[{od or a.out_dir or tempfile.gettempdir()}]", _plain_write_s(out_roots[od], plain_sizes))
+
     def rec(name, dt):  # (printed as measured: a run cut short keeps what it measured)
         times.setdefault(name, []).append(dt)
         print(f"MEASURED {name} run {len(times[name])}: {dt:.3f} s, {tokens / dt:,.0f} tokens/s", flush=True)
@@ -433,6 +459,7 @@ def main(argv=None) -> int:
     outputs = [(f, n) for f in fmts for n in shards if n == 1 or f == "safetensors"]
 
     pipeline_tag: dict[str, str] = {}  # pipeline row -> the engine variant's tag (its generate() row's)
+    pipeline_dir: dict[str, str] = {}  # pipeline row -> its output directory
 
     def time_pipelines(gen, tag):  # every pipeline variant asked for, once each
         timed = set()
@@ -454,6 +481,7 @@ def main(argv=None) -> int:
                 continue
             timed.add(name)
             pipeline_tag[name] = tag
+            pipeline_dir[name] = od or a.out_dir or tempfile.gettempdir()
             rec_run(gen, name, pipeline_fn(gen, wt, wm, name, ck, fmt, shard, ptw, od))
 
     def warm_ours(gen, ours):  # the warm-up call, its first batch's rows kept for the native check
@@ -487,6 +515,7 @@ def main(argv=None) -> int:
             keep_first(g, sd)
         for _ in range(a.reps):
             rec("raw", _timed(raw))
+            time_plain()
             for sd, (g, o) in engines.items():
                 rec_run(g, f"generate[{dev}]{sd_tag(sd)}", lambda o=o: _timed(o))
                 time_pipelines(g, sd_tag(sd))
@@ -504,6 +533,7 @@ def main(argv=None) -> int:
             raw(record=False)
             for _ in range(a.reps):
                 rec("raw", _timed(raw))
+                time_plain()
             shut(llm)
             del llm
             if with_native:
@@ -600,6 +630,7 @@ def main(argv=None) -> int:
         tag = gen_key[gen_key.index("]") + 1 :]  # the variant tags after the copy mode
         for pk in [k for k in rows if pipeline_tag.get(k) == tag]:
             ratios[f"{pk}/{gen_key}"] = rows[pk]["tok_s_median"] / rows[gen_key]["tok_s_median"]
+    plain_bps = _bounds(ratios, rows, times, sum(plain_sizes), pipeline_tag, pipeline_dir, breakdown)
     gen_key = next(k for k in rows if k.startswith("generate"))
     if "native" in rows:
         ratios["native/raw"] = rows["native"]["tok_s_median"] / rows["raw"]["tok_s_median"]
@@ -622,6 +653,7 @@ def main(argv=None) -> int:
                     "first_batch": first_batch,
                     "native": native_info or None,
                     "fp8_error": fp8_error,
+                    "plain_write_bytes_per_s": plain_bps,
                 },
                 f,
                 indent=1,
@@ -656,6 +688,34 @@ def main(argv=None) -> int:
         print("fp8 error, first batch, per layer and token (relative L2 over hidden):", json.dumps(fp8_error))
     print("ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     return 0
+
+
+def _bounds(ratios, rows, times, plain_bytes, pipeline_tag, pipeline_dir, breakdown) -> dict:
+    """Into ``ratios``: each pipeline row over what bounds it, min(its engine's generate(), the plain
+    write's bytes/s to its directory over the row's bytes per token); each FP8 pipeline row over the
+    same row unquantized; each FP8 generate() over the unquantized one. Returns the plain write's
+    bytes/s per directory (median run)."""
+    plain_bps = {k[6:-1]: plain_bytes / statistics.median(v) for k, v in times.items() if k.startswith("plain[")}
+    for d, bps in plain_bps.items():
+        print(f"plain write to {d}: {bps / 1e9:.2f} GB/s")
+    gens = {k[k.index("]") + 1 :]: k for k in rows if k.startswith("generate")}  # engine tag -> its row
+    for pk, d in pipeline_dir.items():
+        gk = gens.get(pipeline_tag[pk])
+        if pk not in rows or gk is None:
+            continue
+        bound = rows[gk]["tok_s_median"]
+        if d in plain_bps:
+            bound = min(bound, plain_bps[d] / breakdown[pk][0]["bytes_per_token"])
+        ratios[f"{pk}/min({gk},plain[{d}])"] = rows[pk]["tok_s_median"] / bound
+        bf16 = pk.replace("[fp8]", "", 1)
+        if bf16 != pk and bf16 in rows:
+            ratios[f"{pk}/{bf16}"] = rows[pk]["tok_s_median"] / rows[bf16]["tok_s_median"]
+    for tag, gk in gens.items():
+        if "[fp8]" in tag and tag.replace("[fp8]", "", 1) in gens:
+            ratios[f"{gk}/{gens[tag.replace('[fp8]', '', 1)]}"] = (
+                rows[gk]["tok_s_median"] / rows[gens[tag.replace("[fp8]", "", 1)]]["tok_s_median"]
+            )
+    return plain_bps
 
 
 def _fp8_error(first_states: dict, prompts: list, path: str, layer_ids: list) -> dict | None:

@@ -118,7 +118,7 @@ def end_process(code: int) -> None:
 
 #: seconds the engine's shutdown may take after SIGTERM / SIGINT / SIGHUP before the process ends
 #: anyway (a shutdown waiting on a lost host or a hung worker never returns)
-SHUTDOWN_GRACE_S = 25.0
+SHUTDOWN_GRACE_S = 20.0
 
 
 def exit_by_deadline(grace_s: float = SHUTDOWN_GRACE_S) -> bool:

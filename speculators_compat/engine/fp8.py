@@ -67,10 +67,12 @@ def quantize_rows(layers: list) -> tuple[list, Any]:
     any float dtype, so the amax is taken before the cast.)"""
     import torch
 
-    amax = torch.stack([x.abs().amax(dim=-1) for x in layers]).amax(dim=0).float()
+    # max |x| in one pass a layer (the infinity norm: no |x| tensor is made), and the division
+    # in float32 by type promotion (no float32 copy of the rows): the same values, fewer passes
+    amax = torch.stack([torch.linalg.vector_norm(x, float("inf"), dim=-1) for x in layers]).amax(dim=0).float()
     scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
     col = scale[:, None]
-    return [(x.float() / col).to(fp8_dtype()) for x in layers], scale
+    return [torch.div(x, col).to(fp8_dtype()) for x in layers], scale
 
 
 def dequantize(q, scale, dtype=None):

@@ -6,6 +6,7 @@ quantized per token once the step's last captured layer ran (capture.py's module
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -95,9 +96,16 @@ def _store_rows(st, output: Any, lid: int) -> list[tuple[int, int]] | None:
 
 def _quantize_step(st) -> None:
     """FP8: every captured layer's kept rows of this step are in; quantize them per token, on
-    their device, and write the e4m3 rows and the scales into the arena."""
+    their device, and write the e4m3 rows and the scales into the arena. On a GPU this runs on the
+    side stream of the copies, so the forward's remaining layers do not queue behind it."""
     lids = sorted(st.pending)
-    rows, scales = fp8_mod.quantize_rows([st.pending.pop(lid) for lid in lids])
+    vals = [st.pending.pop(lid) for lid in lids]
+    with _on_side_stream(st, vals):
+        _quantize_into_arena(st, lids, vals)
+
+
+def _quantize_into_arena(st, lids: list, vals: list) -> None:
+    rows, scales = fp8_mod.quantize_rows(vals)
     for lid, q in zip(lids, rows):
         dests, runs = _destinations(st, lid, st.row_bytes)
         _write_runs(st, runs, q, st.hidden, q.dtype)
@@ -105,6 +113,22 @@ def _quantize_step(st) -> None:
     dests, runs = _destinations(st, SCALES, scales.element_size())
     _write_runs(st, runs, scales[:, None], 1, scales.dtype)
     st.rows[SCALES] = dests
+
+
+@contextlib.contextmanager
+def _on_side_stream(st, vals: list):
+    """Run the block on ``st``'s copy stream, after the compute stream's work so far (which made
+    ``vals``); ``record_stream`` keeps ``vals``' memory from reuse until the side stream is done
+    with them. Host tensors: the block runs as it is."""
+    if not vals or vals[0].device.type != "cuda":
+        yield
+        return
+    side = _side_stream(st, vals[0].device)
+    side.wait_stream(torch.cuda.current_stream(vals[0].device))
+    for v in vals:
+        v.record_stream(side)
+    with torch.cuda.stream(side):
+        yield
 
 
 def _destinations(st, key, row_bytes: int) -> tuple[list, list]:
@@ -147,17 +171,20 @@ def _copy_on_side_stream(st, dst: torch.Tensor, val: torch.Tensor) -> None:
     behind it (on the compute stream they held a measurable share of a batch up: docs/benchmarks.md).
     The side stream waits for ``val`` to be computed; ``record_stream`` keeps
     its memory from being reused until the copy is done; take() waits for the last copy."""
-    main = torch.cuda.current_stream(val.device)
-    if st.copy_stream is None:
-        st.copy_stream = torch.cuda.Stream(device=val.device)
-    side = st.copy_stream
-    side.wait_stream(main)
+    side = _side_stream(st, val.device)
+    side.wait_stream(torch.cuda.current_stream(val.device))
     with torch.cuda.stream(side):
         dst.copy_(val, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record(side)
     val.record_stream(side)
     st.pending_event = ev
+
+
+def _side_stream(st, device):
+    if st.copy_stream is None:
+        st.copy_stream = torch.cuda.Stream(device=device)
+    return st.copy_stream
 
 
 def _nonfinite_flag(t: torch.Tensor) -> torch.Tensor:

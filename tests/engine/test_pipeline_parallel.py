@@ -311,3 +311,62 @@ def test_a_lost_host_stops_extract_naming_it_and_the_rerun_resumes(llama_path, t
         r = subprocess.run([*run, "--output", str(d), "--no-progress"], capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
     assert read_dir(out) == read_dir(tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_driver_blocked_on_a_frozen_host(llama_path, tmp_path):
+    """``extract`` over two hosts whose second host freezes (``node`` and its workers stopped with
+    SIGSTOP: the connection stays open, nothing answers) while the liveness watch is told to wait
+    300 s. The driver is then blocked on that host; SIGTERM ends it within 30 s, non-zero, its last
+    line saying the files written are complete and how to resume."""
+    import signal
+    import time
+
+    from tests.helpers import make_jsonl
+
+    make_jsonl(tmp_path / "in.jsonl", lengths=[300, 500, 400, 600] * 15, seed=7)
+    port = _free_port()
+    model = ["--model", llama_path, "--dtype", "float32", "--max-model-len", "1024", "--max-num-batched-tokens", "128"]
+    hosts = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    hosts += ["--liveness-timeout", "300"]
+    cli = [sys.executable, "-m", "speculators_compat.cli"]
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=str(ROOT))
+    node = subprocess.Popen(
+        [*cli, "node", *model, *hosts, "--node-rank", "1"],
+        env=dict(env, SPECULATORS_COMPAT_HANDOFF="rpc", VLLM_CPU_OMP_THREADS_BIND="1"),
+        start_new_session=True,
+    )
+    out = tmp_path / "out"
+    driver = subprocess.Popen(
+        [*cli, "extract", *model, "--layer-ids", "5,1,3", "--input", str(tmp_path / "in.jsonl"), "--batch-size", "2"]
+        + [*hosts, "--output", str(out), "--no-progress"],
+        env=dict(env, VLLM_CPU_OMP_THREADS_BIND="0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 400
+        while len(list(out.glob("data_*.pt"))) < 4 and driver.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert driver.poll() is None and len(list(out.glob("data_*.pt"))) >= 4, "no files written before the freeze"
+        os.killpg(node.pid, signal.SIGSTOP)  # the host freezes: its command and its workers
+        time.sleep(5)
+        assert driver.poll() is None, "the driver did not wait on the frozen host"
+        driver.send_signal(signal.SIGTERM)
+        t = time.time()
+        try:
+            log, _ = driver.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            pytest.fail("SIGTERM did not end the driver within 60 s: " + driver.communicate()[0][-3000:])
+        took = time.time() - t
+        assert took < 30, took
+        assert driver.returncode == 128 + signal.SIGTERM, log[-3000:]
+        last = log.rstrip().splitlines()[-1]
+        assert "SIGTERM" in last and "run the same command again to resume" in last, log[-3000:]
+        print(f"driver ended {took:.1f} s after SIGTERM: {last}")
+    finally:
+        os.killpg(node.pid, signal.SIGKILL)
+        if driver.poll() is None:
+            driver.kill()
