@@ -382,6 +382,8 @@ def main(argv=None) -> int:
                         "writer_tail_s",
                         "writer_start_s",
                         "sync_s",
+                        "prepare_s",
+                        "finish_s",
                     )
                 }
                 breakdown.setdefault(name, []).append(
@@ -507,12 +509,12 @@ def main(argv=None) -> int:
             native_info["first_batch"] = nat_first()
             nat_clean()
         raw(record=False)
-        warm_ours(gen, ours)  # warm-up (the pipeline's too: its writer processes start once)
-        for wm in wms:
-            pipeline_fn(gen, wts[0], wm)()
-        for sd, (g, o) in engines.items():
+        warm_ours(gen, ours)  # warm-up (the pipeline's too: its writer processes start once, and each
+        for sd, (g, o) in engines.items():  # engine's arena gets the slabs a run asks for)
             o(record=False)
             keep_first(g, sd)
+            for wm in wms:
+                pipeline_fn(g, wts[0], wm)()
         for _ in range(a.reps):
             rec("raw", _timed(raw))
             time_plain()

@@ -14,20 +14,28 @@ tensor (its start, middle and end: a merged LoRA or a re-initialised layer chang
 touches there) and a CRC-32 of the whole file. The whole-file CRC is what costs: it reads every
 byte once (threads, one a file; docs/architecture.md gives the cost on a 600 GB checkpoint). A
 resume reads it again only for the files whose size or modification time is not the recorded one
-(``known``: the recorded fingerprint); for the others the per-tensor samples are read again. No
-torch, no safetensors package: the header format is read directly.
+(``known``: the recorded fingerprint); for the others the per-tensor samples are read again. The
+same holds across output directories: a file's whole-file CRC is kept in this user's cache
+(``$SPECULATORS_COMPAT_CACHE/weight-crc32.json``, by real path), and taken again while the file's
+size, modification time, inode and device are the ones it was read at, so a second dataset
+extracted from the same model does not read the model in full again. No torch, no safetensors
+package: the header format is read directly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
+import tempfile
 from pathlib import Path
 
 from .errors import CheckpointError
 from .files.checksums import file_digest
+
+logger = logging.getLogger(__name__)
 
 TENSOR_SAMPLE_BYTES = 4 << 10  # read at a tensor's start, middle and end
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
@@ -211,11 +219,63 @@ def fingerprint_checkpoint(model: str, known: dict | None = None) -> dict:
     for f in _weight_files(p):
         fp["weights"][f.name] = _weight_entry(f, old.get(f.name))
     todo = [n for n, e in fp["weights"].items() if e["crc32"] is None]
+    cache = _read_crc_cache() if todo else {}
+    stamps = {n: _stamp(p / n) for n in todo}
+    for n in todo:
+        hit = cache.get(stamps[n][0])
+        if hit and hit.get("stamp") == stamps[n][1]:
+            fp["weights"][n]["crc32"] = hit["crc32"]
+    todo = [n for n in todo if fp["weights"][n]["crc32"] is None]
     if todo:
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16)) as pool:
             for n, crc in zip(todo, pool.map(lambda n: file_digest(p / n, "crc32"), todo)):
                 fp["weights"][n]["crc32"] = crc
+        _remember_crcs({stamps[n][0]: {"stamp": stamps[n][1], "crc32": fp["weights"][n]["crc32"]} for n in todo})
     return fp
+
+
+def crc_cache_file() -> Path:
+    """Where this user's whole-file CRCs of weight files are kept (module docstring)."""
+    from . import envs
+
+    return Path(os.path.expanduser(envs.get("SPECULATORS_COMPAT_CACHE"))) / "weight-crc32.json"
+
+
+def _stamp(f: Path) -> tuple[str, list[int]]:
+    """(real path, [size, modification time, inode, device]): a file's CRC stands while these do."""
+    st = f.stat()
+    return os.path.realpath(f), [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+
+
+def _read_crc_cache() -> dict:
+    path = crc_cache_file()
+    try:
+        got = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:  # unreadable or torn: the files are read in full instead
+        logger.debug("ignoring the weight CRC cache %s: %s", path, e)
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _remember_crcs(new: dict) -> None:
+    """Add ``new`` to the cache file, replaced whole, its files that are gone left out (a process
+    writing it meanwhile may lose its entries: they cost one more full read, never a wrong CRC)."""
+    path = crc_cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        merged = {k: v for k, v in _read_crc_cache().items() if os.path.exists(k)} | new  # (gone files dropped)
+        fd, tmp = tempfile.mkstemp(prefix=".weight-crc32-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(merged, f)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as e:  # a read-only home: the next run reads the files in full again
+        logger.debug("could not keep weight CRCs in %s: %s", path, e)
 
 
 #: what the states depend on in a weight file's entry (its modification time is not: a copy

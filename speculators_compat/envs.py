@@ -71,7 +71,8 @@ SETTINGS = {
             "SPECULATORS_COMPAT_CACHE",
             os.path.join("~", ".cache", "speculators-compat"),
             None,
-            "where the built-in tiny models (and the development scripts' engine environments) live",
+            "where the built-in tiny models, the weight files' CRC-32s already read (`weight-crc32.json`) "
+            "and the development scripts' engine environments live",
         ),
         Setting(
             "SPECULATORS_COMPAT_SERVE_FILES",

@@ -115,6 +115,7 @@ class _Extraction:
     def run(self) -> dict[str, Any]:
         self.t0 = time.time()
         self.before_engine()
+        self.prepare_s = time.time() - self.t0
         try:
             self.start_engine()
             self.t_compute = time.time()  # throughput counts from here: engine start-up is reported apart
@@ -446,6 +447,10 @@ class _Extraction:
             "writer_tail_s": round(w.tail_s, 3),
             "writer_start_s": round(w.start_wait_s, 3),
             "sync_s": round(self.out.sync_s, 3),
+            # before the engine: the model's fingerprint, the input's scan, the output's record; after
+            # the last file: the manifest (its final sync apart)
+            "prepare_s": round(self.prepare_s, 3),
+            "finish_s": round(now - self.t_written - self.out.sync_s, 3),
             "bytes_written": w.bytes_written,  # what this run wrote, and how fast (the compute phase)
             "write_mib_per_s": round(write_mib_s, 1),
             "write_bound": warn_if_write_bound(w.wait_s, write_s, write_mib_s, self.out.root),

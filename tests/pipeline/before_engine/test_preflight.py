@@ -324,6 +324,7 @@ def test_a_weight_file_whose_time_changed_is_read_in_full(tmp_path, monkeypatch)
     compares; a file whose size and time are the recorded ones is not read in full again."""
     from speculators_compat import checkpoint
 
+    monkeypatch.setenv("SPECULATORS_COMPAT_CACHE", str(tmp_path / "cache"))
     m = fake_model(tmp_path / "m", many_tensors())
     f = m / "model.safetensors"
     a = fingerprint_checkpoint(str(m))
@@ -347,8 +348,41 @@ def test_a_weight_file_whose_time_changed_is_read_in_full(tmp_path, monkeypatch)
     monkeypatch.setattr(checkpoint, "file_digest", lambda p, a: (a == "crc32" and read_in_full.append(p)) or real(p, a))
     assert describe_model_change(copy, fingerprint_checkpoint(str(m), known=copy)) == []
     assert read_in_full == []  # unchanged size and time: the recorded whole-file CRC stands
+    checkpoint.crc_cache_file().unlink()
     fingerprint_checkpoint(str(m))
-    assert read_in_full == [f]  # (a first run reads it)
+    assert read_in_full == [f]  # (a first run reads it, unless this user's cache knows it)
+
+
+def test_a_new_output_over_the_same_model_takes_the_users_cached_crc(tmp_path, monkeypatch):
+    """The whole-file CRC read by one run is kept in the user's cache and taken by the next run
+    into another output while the file is untouched; a rewrite in place (a new time) or a
+    replacement with the old time put back (a new inode) is read in full again and seen."""
+    from speculators_compat import checkpoint
+
+    monkeypatch.setenv("SPECULATORS_COMPAT_CACHE", str(tmp_path / "cache"))
+    m = fake_model(tmp_path / "m", many_tensors())
+    f = m / "model.safetensors"
+    read_in_full = []
+    real = checkpoint.file_digest
+    monkeypatch.setattr(checkpoint, "file_digest", lambda p, a: (a == "crc32" and read_in_full.append(p)) or real(p, a))
+    a = fingerprint_checkpoint(str(m))
+    assert read_in_full == [f] and checkpoint.crc_cache_file().is_file()
+    assert fingerprint_checkpoint(str(m)) == a and read_in_full == [f]  # taken from the cache
+    data = bytearray(f.read_bytes())
+    data[len(data) - 64 * 1024 + 10_000] ^= 0xFF  # (no sampled byte: only the whole-file CRC sees it)
+    st = f.stat()
+    replacement = m / "new.tmp"
+    replacement.write_bytes(bytes(data))
+    os.utime(replacement, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(replacement, f)  # same size and time, another inode
+    assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
+    b = fingerprint_checkpoint(str(m))
+    assert read_in_full == [f, f]
+    assert describe_model_change(a, b) == [
+        "weight file model.safetensors holds other values (same tensors and size, different contents)"
+    ]
+    checkpoint.crc_cache_file().write_text("{torn")  # a damaged cache is no error: the file is read
+    assert fingerprint_checkpoint(str(m))["weights"] == b["weights"] and read_in_full == [f, f, f]
 
 
 def test_input_fingerprint_covers_the_whole_file_and_names_the_change(tmp_path):
