@@ -85,12 +85,14 @@ SPECS["llama-100m"] = (
         initializer_range=0.02,
     ),
 )
-# A ~1.1B-parameter Llama-shaped model for the GPU run, saved in bf16 (16 layers, hidden 2048).
+# A ~1.1B-parameter Llama-shaped model for the GPU run, saved in bf16 (16 layers, hidden 2048), with
+# 16,384 positions for the long-prompt cases (--seq 8192).
 SPECS["llama-1b"] = (
     "LlamaConfig",
     "LlamaForCausalLM",
     dict(
         _COMMON,
+        max_position_embeddings=16384,
         vocab_size=32000,
         hidden_size=2048,
         intermediate_size=5632,
