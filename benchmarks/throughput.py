@@ -86,20 +86,14 @@ def _file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
 
 
 def _plain_write_s(root: str, sizes: list[int]) -> float:
-    """Seconds for one thread to write files of ``sizes`` bytes into ``root``, each with one write
-    and fdatasync (no encoding, no checksum): what the filesystem takes at its plainest, the
-    baseline the pipeline's disk rate is held against (the files are deleted afterwards, untimed)."""
-    d = tempfile.mkdtemp(prefix="plain-", dir=root)
+    """Seconds for one thread to write files of ``sizes`` bytes into ``root`` (writer.py's plain
+    write: one write and fdatasync a file), the baseline the pipeline's disk rate is held against;
+    the files are deleted afterwards, untimed."""
+    import writer
+
+    d = Path(tempfile.mkdtemp(prefix="plain-", dir=root))
     data = memoryview(os.urandom(max(sizes)))
-    t = time.perf_counter()
-    for i, n in enumerate(sizes):
-        fd = os.open(os.path.join(d, f"data_{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, data[:n])
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-    dt = time.perf_counter() - t
+    dt = writer.write_plain(d, ((f"data_{i}.bin", [data[:n]]) for i, n in enumerate(sizes)))
     shutil.rmtree(d)
     return dt
 

@@ -84,20 +84,31 @@ def writer_run(kind, n, root, batches, reader):
     return dt, stages
 
 
+def write_plain(out: Path, files) -> float:
+    """Seconds for one thread to write ``files`` ((name, [byte views]) each) into ``out``: one
+    writev and fdatasync a file, no encoding, no checksum, no record: the filesystem at its
+    plainest (the baseline here and in throughput.py)."""
+    t = time.perf_counter()
+    for name, views in files:
+        fd = os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.writev(fd, views)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t
+
+
 def plain_run(root, batches):
-    """The same states written by one thread, a file a sample, one write and fdatasync each."""
+    """The same states written by one thread, a file a sample (write_plain)."""
     out = root / "plain"
     out.mkdir()
-    t = time.perf_counter()
-    for items in batches:
-        for index, sample in items:
-            fd = os.open(out / f"data_{index}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.writev(fd, [memoryview(h.numpy().view("uint8")).cast("B") for h in _raw(sample)])
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
-    dt = time.perf_counter() - t
+    files = (
+        (f"data_{index}.bin", [memoryview(h.numpy().view("uint8")).cast("B") for h in _raw(sample)])
+        for items in batches
+        for index, sample in items
+    )
+    dt = write_plain(out, files)
     shutil.rmtree(out)
     return dt
 

@@ -5,10 +5,14 @@ request and layer, input order, chunked prefill (64-token steps), reversed and r
 second host through vLLM's multiprocessing executor over nodes, its worker handing rows back over
 RPC; the patched upstream class; ``extract`` at PP=2 byte for byte against PP=1."""
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -252,22 +256,32 @@ def test_upstream_class_at_pp2():
     assert out["stages"] == [[1], [3, 5]] and out["order"] and out["bad"] == 0, out
 
 
-@pytest.mark.slow
-def test_a_lost_host_stops_extract_naming_it_and_the_rerun_resumes(llama_path, tmp_path):
-    """``extract`` over two hosts (both on this machine); ``node`` 1 killed with SIGKILL mid-run
-    (its workers die with it: vLLM's workers end when their parent does). The driver notices
-    through the hosts' liveness connection, stops its engine and exits non-zero within 150 s, its
-    last words naming the lost host; the files written are whole, and a rerun on one host completes
-    the dataset (the same bytes as a run that was never interrupted, at PP=1)."""
-    import signal
-    import time
+@dataclass
+class _TwoHosts:
+    """``extract`` over two hosts on this machine (``node`` 1 in its own session), four or more
+    files already written: what the fault tests act on."""
 
-    from tests.helpers import make_jsonl, read_dir
+    node: subprocess.Popen
+    driver: subprocess.Popen
+    run: list  # the extract command without its hosts and output
+    out: Path
+    env: dict
 
-    make_jsonl(tmp_path / "in.jsonl", lengths=[300, 500, 400, 600] * 15, seed=6)
-    port = _free_port()
+    def end(self) -> None:
+        if self.driver.poll() is None:
+            self.driver.kill()
+        with contextlib.suppress(ProcessLookupError):  # (all of them gone already)
+            os.killpg(self.node.pid, signal.SIGKILL)  # the node's command and its workers
+        self.node.wait()
+
+
+def _two_hosts_writing(llama_path: str, tmp_path: Path, seed: int, *more: str) -> _TwoHosts:
+    from tests.helpers import make_jsonl
+
+    make_jsonl(tmp_path / "in.jsonl", lengths=[300, 500, 400, 600] * 15, seed=seed)
     model = ["--model", llama_path, "--dtype", "float32", "--max-model-len", "1024", "--max-num-batched-tokens", "128"]
-    hosts = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    hosts = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    hosts += ["--master-port", str(_free_port()), *more]
     cli = [sys.executable, "-m", "speculators_compat.cli"]
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=str(ROOT))
     node = subprocess.Popen(
@@ -284,33 +298,47 @@ def test_a_lost_host_stops_extract_naming_it_and_the_rerun_resumes(llama_path, t
         stderr=subprocess.STDOUT,
         text=True,
     )
+    hosts_ = _TwoHosts(node, driver, run, out, env)
+    deadline = time.time() + 400
+    while len(list(out.glob("data_*.pt"))) < 4 and driver.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    if driver.poll() is not None or len(list(out.glob("data_*.pt"))) < 4:
+        hosts_.end()
+        pytest.fail("no files written over two hosts: " + driver.communicate()[0][-3000:])
+    return hosts_
+
+
+@pytest.mark.slow
+def test_a_lost_host_stops_extract_naming_it_and_the_rerun_resumes(llama_path, tmp_path):
+    """``extract`` over two hosts (both on this machine); ``node`` 1 killed with SIGKILL mid-run
+    (its workers die with it: vLLM's workers end when their parent does). The driver notices
+    through the hosts' liveness connection, stops its engine and exits non-zero within 150 s, its
+    last words naming the lost host; the files written are whole, and a rerun on one host completes
+    the dataset (the same bytes as a run that was never interrupted, at PP=1)."""
+    from tests.helpers import read_dir
+
+    h = _two_hosts_writing(llama_path, tmp_path, 6)
     try:
-        deadline = time.time() + 400
-        while len(list(out.glob("data_*.pt"))) < 4 and driver.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        assert driver.poll() is None and len(list(out.glob("data_*.pt"))) >= 4, "no files written before the kill"
-        os.killpg(node.pid, signal.SIGKILL)  # the host goes: its command and its workers
+        os.killpg(h.node.pid, signal.SIGKILL)  # the host goes: its command and its workers
         t = time.time()
         try:
-            log, _ = driver.communicate(timeout=150)
+            log, _ = h.driver.communicate(timeout=150)
         except subprocess.TimeoutExpired:
-            driver.kill()
+            h.driver.kill()
             pytest.fail(
-                "the driver did not exit within 150 s of losing its second host: " + driver.communicate()[0][-3000:]
+                "the driver did not exit within 150 s of losing its second host: " + h.driver.communicate()[0][-3000:]
             )
-        assert driver.returncode != 0
+        assert h.driver.returncode != 0
         last = log.rstrip().splitlines()[-1]
         assert "lost node 1 (127.0.0.1)" in last and "rerun to resume" in last, log[-3000:]
         print(f"driver stopped {time.time() - t:.1f} s after the host was lost: {last}")
     finally:
-        for p in (driver, node):
-            if p.poll() is None:
-                p.kill()
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
-    for d in (out, tmp_path / "ref"):
-        r = subprocess.run([*run, "--output", str(d), "--no-progress"], capture_output=True, text=True, env=env)
+        h.end()
+    h.env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+    for d in (h.out, tmp_path / "ref"):
+        r = subprocess.run([*h.run, "--output", str(d), "--no-progress"], capture_output=True, text=True, env=h.env)
         assert r.returncode == 0, r.stderr[-3000:]
-    assert read_dir(out) == read_dir(tmp_path / "ref")
+    assert read_dir(h.out) == read_dir(tmp_path / "ref")
 
 
 @pytest.mark.slow
@@ -319,54 +347,23 @@ def test_sigterm_ends_a_driver_blocked_on_a_frozen_host(llama_path, tmp_path):
     SIGSTOP: the connection stays open, nothing answers) while the liveness watch is told to wait
     300 s. The driver is then blocked on that host; SIGTERM ends it within 30 s, non-zero, its last
     line saying the files written are complete and how to resume."""
-    import signal
-    import time
-
-    from tests.helpers import make_jsonl
-
-    make_jsonl(tmp_path / "in.jsonl", lengths=[300, 500, 400, 600] * 15, seed=7)
-    port = _free_port()
-    model = ["--model", llama_path, "--dtype", "float32", "--max-model-len", "1024", "--max-num-batched-tokens", "128"]
-    hosts = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    hosts += ["--liveness-timeout", "300"]
-    cli = [sys.executable, "-m", "speculators_compat.cli"]
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=str(ROOT))
-    node = subprocess.Popen(
-        [*cli, "node", *model, *hosts, "--node-rank", "1"],
-        env=dict(env, SPECULATORS_COMPAT_HANDOFF="rpc", VLLM_CPU_OMP_THREADS_BIND="1"),
-        start_new_session=True,
-    )
-    out = tmp_path / "out"
-    driver = subprocess.Popen(
-        [*cli, "extract", *model, "--layer-ids", "5,1,3", "--input", str(tmp_path / "in.jsonl"), "--batch-size", "2"]
-        + [*hosts, "--output", str(out), "--no-progress"],
-        env=dict(env, VLLM_CPU_OMP_THREADS_BIND="0"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    h = _two_hosts_writing(llama_path, tmp_path, 7, "--liveness-timeout", "300")
     try:
-        deadline = time.time() + 400
-        while len(list(out.glob("data_*.pt"))) < 4 and driver.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        assert driver.poll() is None and len(list(out.glob("data_*.pt"))) >= 4, "no files written before the freeze"
-        os.killpg(node.pid, signal.SIGSTOP)  # the host freezes: its command and its workers
+        os.killpg(h.node.pid, signal.SIGSTOP)  # the host freezes: its command and its workers
         time.sleep(5)
-        assert driver.poll() is None, "the driver did not wait on the frozen host"
-        driver.send_signal(signal.SIGTERM)
+        assert h.driver.poll() is None, "the driver did not wait on the frozen host"
+        h.driver.send_signal(signal.SIGTERM)
         t = time.time()
         try:
-            log, _ = driver.communicate(timeout=60)
+            log, _ = h.driver.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            driver.kill()
-            pytest.fail("SIGTERM did not end the driver within 60 s: " + driver.communicate()[0][-3000:])
+            h.driver.kill()
+            pytest.fail("SIGTERM did not end the driver within 60 s: " + h.driver.communicate()[0][-3000:])
         took = time.time() - t
         assert took < 30, took
-        assert driver.returncode == 128 + signal.SIGTERM, log[-3000:]
+        assert h.driver.returncode == 128 + signal.SIGTERM, log[-3000:]
         last = log.rstrip().splitlines()[-1]
         assert "SIGTERM" in last and "run the same command again to resume" in last, log[-3000:]
         print(f"driver ended {took:.1f} s after SIGTERM: {last}")
     finally:
-        os.killpg(node.pid, signal.SIGKILL)
-        if driver.poll() is None:
-            driver.kill()
+        h.end()
