@@ -224,10 +224,11 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="sc-bench-", dir=a.out_dir)
     out_dirs = a.out_dirs.split(",") if a.out_dirs else [None]  # None: under tmp
     out_roots = {d: (tempfile.mkdtemp(prefix="sc-bench-", dir=d) if d else tmp) for d in out_dirs}
+    default_dir = a.out_dir or tempfile.gettempdir()  # (the directory an out_dirs entry of None stands for)
     # what one file costs the filesystem alone, before any engine runs: create, write one sample's
     # bytes, rename (the pipeline's own write_parts), in CPU time of the writing thread
     sample_bytes = _sample_bytes(path, lengths, getattr(torch, a.dtype).itemsize, a.layers)
-    file_cost = {d or (a.out_dir or tempfile.gettempdir()): _file_cost_us(out_roots[d], sample_bytes) for d in out_dirs}
+    file_cost = {d or default_dir: _file_cost_us(out_roots[d], sample_bytes) for d in out_dirs}
     print(
         f"filesystem cost per file (create + write + rename, CPU us; one sample = {sample_bytes:,} B):",
         json.dumps(file_cost),
@@ -403,7 +404,7 @@ def main(argv=None) -> int:
 
     def time_plain():
         for od in out_dirs:
-            rec(f"plain[{od or a.out_dir or tempfile.gettempdir()}]", _plain_write_s(out_roots[od], plain_sizes))
+            rec(f"plain[{od or default_dir}]", _plain_write_s(out_roots[od], plain_sizes))
 
     def rec(name, dt):  # (printed as measured: a run cut short keeps what it measured)
         times.setdefault(name, []).append(dt)
@@ -477,7 +478,7 @@ def main(argv=None) -> int:
                 continue
             timed.add(name)
             pipeline_tag[name] = tag
-            pipeline_dir[name] = od or a.out_dir or tempfile.gettempdir()
+            pipeline_dir[name] = od or default_dir
             rec_run(gen, name, pipeline_fn(gen, wt, wm, name, ck, fmt, shard, ptw, od))
 
     def warm_ours(gen, ours):  # the warm-up call, its first batch's rows kept for the native check
@@ -596,7 +597,7 @@ def main(argv=None) -> int:
         "tokens": tokens,
         "dtype": a.dtype,
         "max_num_batched_tokens": a.max_num_batched_tokens,
-        "out_dir": a.out_dir or tempfile.gettempdir(),
+        "out_dir": default_dir,
         "out_dirs": out_dirs if a.out_dirs else None,
         "file_cost_us": file_cost,
         "sample_bytes": sample_bytes,
@@ -707,10 +708,9 @@ def _bounds(ratios, rows, times, plain_bytes, pipeline_tag, pipeline_dir, breakd
         if bf16 != pk and bf16 in rows:
             ratios[f"{pk}/{bf16}"] = rows[pk]["tok_s_median"] / rows[bf16]["tok_s_median"]
     for tag, gk in gens.items():
-        if "[fp8]" in tag and tag.replace("[fp8]", "", 1) in gens:
-            ratios[f"{gk}/{gens[tag.replace('[fp8]', '', 1)]}"] = (
-                rows[gk]["tok_s_median"] / rows[gens[tag.replace("[fp8]", "", 1)]]["tok_s_median"]
-            )
+        bf16 = gens.get(tag.replace("[fp8]", "", 1))
+        if "[fp8]" in tag and bf16:
+            ratios[f"{gk}/{bf16}"] = rows[gk]["tok_s_median"] / rows[bf16]["tok_s_median"]
     return plain_bps
 
 
