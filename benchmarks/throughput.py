@@ -50,6 +50,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # native.py, writer.py beside this file
+import native  # noqa: E402
+import throughput_report  # noqa: E402
+
 
 def _timed(fn) -> float:
     t = time.perf_counter()
@@ -98,7 +102,7 @@ def _plain_write_s(root: str, sizes: list[int]) -> float:
     return dt
 
 
-def main(argv=None) -> int:
+def _args(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama", help="tiny model name (llama, llama-100m, llama-1b) or a path")
     ap.add_argument("--batch", type=int, default=64)
@@ -161,47 +165,188 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.seq_mixed and not a.no_hf:
         ap.error("--seq-mixed needs --no-hf (the HF contender runs equal-length micro-batches)")
+    return a
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    import torch
-    from packaging.version import Version
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import native
+# the engine's own split of its time (ExtractionEngine.stats()), kept per timed run. prep: before the
+# first step (of it, busy_s: finding lent slabs, and expect_s: that plus announcing the batch to the
+# workers; the rest: handing vLLM the requests); drive: scheduling and forwards; handoff: taking the
+# rows over; worker_expect_s: the worker readying its arena per batch; arena_new_s: the part of it
+# spent making (on a GPU, page-locking) new slabs
+ENGINE_KEYS = (
+    "prep_s",
+    "busy_s",
+    "expect_s",
+    "drive_s",
+    "handoff_s",
+    "hook_s",
+    "take_s",
+    "worker_expect_s",
+    "arena_new_s",
+)
+# the pipeline's run summary fields kept per timed run (pipeline/extract.py: where the time went)
+RUN_KEYS = (
+    "generate_s",
+    "read_s",
+    "handoff_s",
+    "writer_wait_s",
+    "writer_tail_s",
+    "writer_start_s",
+    "sync_s",
+    "prepare_s",
+    "finish_s",
+)
 
-    import speculators_compat  # noqa: F401
-    from speculators_compat import VllmHiddenStatesGenerator, versions
-    from speculators_compat.pipeline.extract import run_extract
-    from speculators_compat.testing import models
 
-    cuda = torch.cuda.is_available()
-    if cuda:  # the check above may initialise CUDA here: vLLM's processes must then be spawned
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    path = a.model if os.path.isdir(a.model) else str(models.build(a.model))
-    if a.seq_mixed:
-        import random
+class _GcMeter:
+    """The driver's garbage collections between ``reset()`` calls: seconds, and full collections."""
 
-        lo, hi = (int(x) for x in a.seq_mixed.split(","))
-        rng = random.Random(7)
-        lengths = [rng.randint(lo, hi) for _ in range(a.batch * a.batches)]
-    else:
-        lengths = [a.seq] * (a.batch * a.batches)
-    prompts = models.random_prompts(lengths, seed=7)
-    batches = [prompts[i : i + a.batch] for i in range(0, len(prompts), a.batch)]
-    tokens = sum(lengths)
-    common = dict(
-        max_model_len=max(2048, max(lengths) + 8),
-        dtype=a.dtype,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-    )
-    times: dict[str, list[float]] = {}
-    batch_s: dict[str, list[list[float]]] = {}  # per timed run: each engine call's seconds
+    def __init__(self):
+        self.t0 = self.s = 0.0
+        self.full = 0
+        gc.callbacks.append(self._on_gc)
 
-    def per_batch(name, calls):  # -> run(record): the calls in turn, each one's seconds noted
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            self.s += time.perf_counter() - self.t0
+            self.full += info.get("generation") == 2
+
+    def reset(self) -> None:
+        self.s, self.full = 0.0, 0
+
+    def record(self) -> dict:
+        return {"gc_s": round(self.s, 4), "full_collections": self.full}
+
+
+class Bench:
+    """One benchmark run: the inputs and output directories (``__init__``), the contenders
+    (``make_*``), the timed rounds (``run_gpu`` / ``run_cpu``, ``run_hf``) and what they recorded,
+    which throughput_report.py turns into the tables, ratios and JSON."""
+
+    def __init__(self, a):
+        import torch
+        from packaging.version import Version
+
+        import speculators_compat  # noqa: F401
+        from speculators_compat import versions
+        from speculators_compat.layers import default_layer_ids, read_num_layers
+        from speculators_compat.testing import models
+
+        self.a, self.torch = a, torch
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:  # the check above may initialise CUDA here: vLLM's processes must then be spawned
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        self.dev = "cuda" if self.cuda else "cpu"
+        self.path = a.model if os.path.isdir(a.model) else str(models.build(a.model))
+        self._prompts(models)
+        self.layer_ids = [int(x) for x in a.layers.split(",")] if a.layers else None
+        self.layer_ids_resolved = self.layer_ids or default_layer_ids(read_num_layers(self.path))
+        self.hidden = _hidden_size(self.path)
+        self.with_native = not a.no_native and Version(versions.installed("vllm")).release >= (0, 18)
+        self.sds = a.states_dtypes.split(",")
+        self._dirs()
+        self._variants()
+        # what the timed runs record
+        self.times: dict[str, list[float]] = {}  # contender -> each timed run's seconds
+        self.batch_s: dict[str, list[list[float]]] = {}  # per timed run: each engine call's seconds
+        self.breakdown: dict[str, list[dict]] = {}  # pipeline runs: where run_extract's time went
+        self.slabs_made: dict[str, list[int]] = {}  # arena slabs the worker had to make during each timed run
+        self.engine_s: dict[str, list[dict]] = {}  # per timed run: where the engine's time went (ENGINE_KEYS)
+        self.gc_s: dict[str, list[dict]] = {}  # per timed run: the driver's garbage collections
+        self.gc = _GcMeter()
+        self.native_info: dict = {}
+        self.first_states: dict[str, list] = {}  # states dtype -> the first batch's states (float32, [T, L, H])
+        self.pipeline_tag: dict[str, str] = {}  # pipeline row -> the engine variant's tag (its generate() row's)
+        self.pipeline_dir: dict[str, str] = {}  # pipeline row -> its output directory
+
+    # -- set-up ---------------------------------------------------------------------------------------
+    def _prompts(self, models) -> None:
+        a = self.a
+        if a.seq_mixed:
+            import random
+
+            lo, hi = (int(x) for x in a.seq_mixed.split(","))
+            rng = random.Random(7)
+            self.lengths = [rng.randint(lo, hi) for _ in range(a.batch * a.batches)]
+        else:
+            self.lengths = [a.seq] * (a.batch * a.batches)
+        self.prompts = models.random_prompts(self.lengths, seed=7)
+        self.batches = [self.prompts[i : i + a.batch] for i in range(0, len(self.prompts), a.batch)]
+        self.tokens = sum(self.lengths)
+        self.common = dict(
+            max_model_len=max(2048, max(self.lengths) + 8),
+            dtype=a.dtype,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+        )
+        self.llm_args = dict(
+            model=self.path,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            seed=0,
+            distributed_executor_backend="mp",
+            **self.common,
+        )
+
+    def _dirs(self) -> None:
+        """Output directories, the filesystem's cost per file in each, and the input file."""
+        a, itemsize = self.a, getattr(self.torch, self.a.dtype).itemsize
+        self.tmp = tempfile.mkdtemp(prefix="sc-bench-", dir=a.out_dir)
+        self.out_dirs = a.out_dirs.split(",") if a.out_dirs else [None]  # None: under tmp
+        self.out_roots = {d: (tempfile.mkdtemp(prefix="sc-bench-", dir=d) if d else self.tmp) for d in self.out_dirs}
+        self.default_dir = a.out_dir or tempfile.gettempdir()  # (the directory an out_dirs entry of None stands for)
+        # what one file costs the filesystem alone, before any engine runs: create, write one sample's
+        # bytes, rename (the pipeline's own write_parts), in CPU time of the writing thread
+        self.sample_bytes = _sample_bytes(self.path, self.lengths, itemsize, a.layers)
+        self.file_cost = {
+            d or self.default_dir: _file_cost_us(self.out_roots[d], self.sample_bytes) for d in self.out_dirs
+        }
+        print(
+            f"filesystem cost per file (create + write + rename, CPU us; one sample = {self.sample_bytes:,} B):",
+            json.dumps(self.file_cost),
+        )
+        # the plain write of the run's unquantized bytes, a file a prompt, to each output directory
+        self.plain_sizes = [n * self.hidden * len(self.layer_ids_resolved) * itemsize for n in self.lengths]
+        self.jsonl = os.path.join(self.tmp, "in.jsonl")
+        with open(self.jsonl, "w") as f:
+            for p in self.prompts:
+                f.write(json.dumps({"input_ids": p}) + "\n")
+
+    def _variants(self) -> None:
+        a = self.a
+        self.wts = [int(x) for x in a.writer_threads.split(",")] if a.writer_threads else [None]
+        self.wms = a.writer_modes.split(",")
+        self.cks = a.checksums.split(",")
+        self.ptws = a.pt_writers.split(",") if a.pt_writers else [None]
+        self.fmts = a.formats.split(",")
+        self.shards = [int(x) for x in a.shard_sizes.split(",")]
+        self.outputs = [(f, n) for f in self.fmts for n in self.shards if n == 1 or f == "safetensors"]
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        for d, root in self.out_roots.items():
+            if d:
+                shutil.rmtree(root, ignore_errors=True)
+
+    # -- recording ------------------------------------------------------------------------------------
+    def rec(self, name, dt):  # (printed as measured: a run cut short keeps what it measured)
+        self.times.setdefault(name, []).append(dt)
+        print(f"MEASURED {name} run {len(self.times[name])}: {dt:.3f} s, {self.tokens / dt:,.0f} tokens/s", flush=True)
+
+    def rec_run(self, gen, name, fn):  # time fn; note the slabs it made, the engine's time split and the driver's GC
+        before = gen.engine.stats()
+        self.gc.reset()
+        self.rec(name, fn())
+        self.gc_s.setdefault(name, []).append(self.gc.record())
+        after = gen.engine.stats()
+        made = after.get("arena_slabs_made", 0) - before.get("arena_slabs_made", 0)
+        self.slabs_made.setdefault(name, []).append(made)
+        split = {k: round(after[k] - before[k], 3) for k in ENGINE_KEYS if k in after}
+        self.engine_s.setdefault(name, []).append(split)
+
+    def per_batch(self, name, calls):  # -> run(record): the calls in turn, each one's seconds noted
         def run(record=True):
             ts = []
             for c in calls:
@@ -209,153 +354,85 @@ def main(argv=None) -> int:
                 c()
                 ts.append(time.perf_counter() - t)
             if record:
-                batch_s.setdefault(name, []).append(ts)
+                self.batch_s.setdefault(name, []).append(ts)
 
         return run
 
-    from speculators_compat.checkpoint import read_safetensors_header
-    from speculators_compat.layers import default_layer_ids, read_num_layers
-
-    layer_ids = [int(x) for x in a.layers.split(",")] if a.layers else None
-    layer_ids_resolved = layer_ids or default_layer_ids(read_num_layers(path))
-    hidden = _hidden_size(path)
-    dev = "cuda" if cuda else "cpu"
-    with_native = not a.no_native and Version(versions.installed("vllm")).release >= (0, 18)
-    tmp = tempfile.mkdtemp(prefix="sc-bench-", dir=a.out_dir)
-    out_dirs = a.out_dirs.split(",") if a.out_dirs else [None]  # None: under tmp
-    out_roots = {d: (tempfile.mkdtemp(prefix="sc-bench-", dir=d) if d else tmp) for d in out_dirs}
-    default_dir = a.out_dir or tempfile.gettempdir()  # (the directory an out_dirs entry of None stands for)
-    # what one file costs the filesystem alone, before any engine runs: create, write one sample's
-    # bytes, rename (the pipeline's own write_parts), in CPU time of the writing thread
-    sample_bytes = _sample_bytes(path, lengths, getattr(torch, a.dtype).itemsize, a.layers)
-    file_cost = {d or default_dir: _file_cost_us(out_roots[d], sample_bytes) for d in out_dirs}
-    print(
-        f"filesystem cost per file (create + write + rename, CPU us; one sample = {sample_bytes:,} B):",
-        json.dumps(file_cost),
-    )
-    jsonl = os.path.join(tmp, "in.jsonl")
-    with open(jsonl, "w") as f:
-        for p in prompts:
-            f.write(json.dumps({"input_ids": p}) + "\n")
-
-    llm_args = dict(
-        model=path, enforce_eager=True, enable_prefix_caching=False, seed=0, distributed_executor_backend="mp", **common
-    )
-
-    def make_raw():
+    # -- contenders -----------------------------------------------------------------------------------
+    def make_raw(self):
         from vllm import LLM, SamplingParams
 
-        llm = LLM(**llm_args)
+        llm = LLM(**self.llm_args)
         sp = SamplingParams(max_tokens=1, temperature=0.0)
-        reqs = [[{"prompt_token_ids": p} for p in b] for b in batches]
-        return llm, per_batch("raw", [lambda r=r: llm.generate(r, sp, use_tqdm=False) for r in reqs])
+        reqs = [[{"prompt_token_ids": p} for p in b] for b in self.batches]
+        return llm, self.per_batch("raw", [lambda r=r: llm.generate(r, sp, use_tqdm=False) for r in reqs])
 
-    sds = a.states_dtypes.split(",")
-    first_states: dict[str, list] = {}  # states dtype -> the first batch's states (float32, [T, L, H] each)
+    def make_ours(self, sd="auto"):
+        from speculators_compat import VllmHiddenStatesGenerator
 
-    def sd_tag(sd):
-        return "" if sd == "auto" else f"[{sd}]"
-
-    def make_ours(sd="auto"):
-        gen = VllmHiddenStatesGenerator(path, layer_ids=layer_ids, states_dtype=sd, **common)
+        gen = VllmHiddenStatesGenerator(self.path, layer_ids=self.layer_ids, states_dtype=sd, **self.common)
         # like a consumer that saves each batch and drops it
-        return gen, per_batch(f"generate[{dev}]{sd_tag(sd)}", [lambda b=b: gen.generate(b) for b in batches])
+        name = f"generate[{self.dev}]{sd_tag(sd)}"
+        return gen, self.per_batch(name, [lambda b=b: gen.generate(b) for b in self.batches])
 
-    def keep_first(gen, sd):  # untimed: the first batch's states, dequantized, for the error report
-        if sd in first_states:
+    def keep_first(self, gen, sd):  # untimed: the first batch's states, dequantized, for the error report
+        if sd in self.first_states:
             return
         out = []
-        for r in gen.generate(batches[0]):
-            st = torch.stack([h.float() for h in r["hidden_states"]], dim=1)
+        for r in gen.generate(self.batches[0]):
+            st = self.torch.stack([h.float() for h in r["hidden_states"]], dim=1)
             if "hidden_states_scales" in r:
                 st = st * r["hidden_states_scales"].float()[:, :, None]
             out.append(st.cpu())
-        first_states[sd] = out
+        self.first_states[sd] = out
 
-    native_info: dict = {}
+    def make_native(self):
+        return native.Contender(self)
 
-    def make_native():
-        """vLLM's extract_hidden_states method + its hidden-states connector: one file a prompt."""
-        from vllm import LLM, SamplingParams
+    def warm_ours(self, gen, ours):  # the warm-up call, its first batch's rows kept for the native check
+        ours(record=False)
+        if self.native_info.get("first_batch") is not None:
+            self.compare_native(gen.generate(self.batches[0]))
 
-        store = tempfile.mkdtemp(prefix="native-", dir=out_roots[out_dirs[0]])
-        # vLLM's convention (output of i layers: ours + 1), each layer once, ascending, as vLLM keeps them
-        native_ids = sorted({i + 1 for i in layer_ids_resolved})
-        args = native.engine_kwargs(store, native_ids, cuda)
-        llm = LLM(**llm_args, **args)
-        kv = args["kv_transfer_config"]
-        native_info.update(layer_ids=native_ids, connector=kv["kv_connector"], complete_at_return=[])
-        sp = SamplingParams(max_tokens=1, temperature=0.0)
-        reqs = [[{"prompt_token_ids": p} for p in b] for b in batches]
-        written: list[tuple[str, int]] = []
-
-        def call(r):
-            outs = llm.generate(r, sp, use_tqdm=False)
-            files = [(o.kv_transfer_params["hidden_states_path"], len(o.prompt_token_ids)) for o in outs]
-            native_info["complete_at_return"].append(sum(native.file_complete(f) for f, _ in files) / len(files))
-            written.extend(files)
-
-        timed_calls = per_batch("native", [lambda r=r: call(r) for r in reqs])
-
-        def run(record=True):
-            written.clear()
-            timed_calls(record)
-            for f, _ in written:  # the run ends when its last file is whole
-                native.wait_complete(f)
-
-        def check_and_clean():  # untimed: every file's header has its prompt's shape; then delete
-            want_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[a.dtype]
-            for f, n in written:
-                hs = json.loads(read_safetensors_header(Path(f))[0])["hidden_states"]
-                if hs["shape"] != [n, len(native_ids), hidden] or hs["dtype"] != want_dtype:
-                    raise RuntimeError(f"native: {f} holds {hs}, expected [{n}, {len(native_ids)}, {hidden}]")
-            native_info["files_checked"] = native_info.get("files_checked", 0) + len(written)
-            shutil.rmtree(store, ignore_errors=True)
-            os.makedirs(store, exist_ok=True)
-
-        def first_batch_states():
-            from safetensors.torch import load_file
-
-            return [load_file(f)["hidden_states"] for f, _ in written[: len(batches[0])]]
-
-        return llm, run, check_and_clean, first_batch_states
-
-    def compare_native(ours_first):  # ours (list of dicts) vs native's files, first batch, every layer
-        nat = native_info.pop("first_batch", None)
+    def compare_native(self, ours_first):  # ours (list of dicts) vs native's files, first batch, every layer
+        info = self.native_info
+        nat = info.pop("first_batch", None)
         if nat is None:
             return
         worst = worst_rel = 0.0
         for o, n in zip(ours_first, nat):
-            for lid, h in zip(layer_ids_resolved, o["hidden_states"], strict=True):
-                col = native_info["layer_ids"].index(lid + 1)
+            for lid, h in zip(self.layer_ids_resolved, o["hidden_states"], strict=True):
+                col = info["layer_ids"].index(lid + 1)
                 d = (h.float() - n[:, col].float()).abs().max().item()
                 worst = max(worst, d)
                 worst_rel = max(worst_rel, d / max(h.float().abs().max().item(), 1e-30))
-        native_info["max_abs_diff_vs_ours"] = worst
-        native_info["max_rel_diff_vs_ours"] = worst_rel  # per sample and layer: max |diff| / max |ours|
-        native_info["bit_identical"] = worst == 0.0
+        info["max_abs_diff_vs_ours"] = worst
+        info["max_rel_diff_vs_ours"] = worst_rel  # per sample and layer: max |diff| / max |ours|
+        info["bit_identical"] = worst == 0.0
         print(f"native vs ours, first batch, every layer: max |diff| = {worst} (relative {worst_rel:.2e})")
 
-    breakdown: dict[str, list[dict]] = {}  # pipeline runs: seconds in generate() and waiting on writers
+    # -- the pipeline ---------------------------------------------------------------------------------
+    def pipeline_fn(self, gen, od, wt=None, wm="auto", name=None, ck="crc32", fmt="pt", shard=1, ptw=None):
+        """-> run(): seconds in run_extract (not the clean-up: deleting GBs of output is no part of
+        it), its summary's split kept under ``name``."""
+        from speculators_compat.pipeline.extract import run_extract
 
-    def pipeline_fn(gen, wt=None, wm="auto", name=None, ck="crc32", fmt="pt", shard=1, ptw=None, od=out_dirs[0]):
         if ptw is not None:  # read when the writer processes start (a change restarts them)
             os.environ["SPECULATORS_COMPAT_PT_WRITER"] = ptw
-        if wm == "process" or (wm == "auto" and cuda):  # a new pool size restarts the processes:
-            from speculators_compat.pipeline.writers.processes import (
-                writer_pool,  # start them outside the timing
-            )
+        if wm == "process" or (wm == "auto" and self.cuda):  # a new pool size restarts the processes:
+            from speculators_compat.pipeline.writers.processes import writer_pool
 
-            writer_pool(wt).wait_ready()
+            writer_pool(wt).wait_ready()  # start them outside the timing
+        root = self.out_roots[od]
 
-        def run():  # -> seconds in run_extract (not the clean-up: deleting GBs of output is no part of it)
-            out = tempfile.mkdtemp(prefix="out-", dir=out_roots[od])
+        def run():
+            out = tempfile.mkdtemp(prefix="out-", dir=root)
             t = time.perf_counter()
             s = run_extract(
-                path,
-                jsonl,
+                self.path,
+                self.jsonl,
                 out,
-                batch_size=a.batch,
+                batch_size=self.a.batch,
                 generator=gen,
                 progress=False,
                 writer_threads=wt,
@@ -367,378 +444,166 @@ def main(argv=None) -> int:
             total = time.perf_counter() - t
             shutil.rmtree(out)
             if name:
-                parts = {
-                    k: s[k]
-                    for k in (
-                        "generate_s",
-                        "read_s",
-                        "handoff_s",
-                        "writer_wait_s",
-                        "writer_tail_s",
-                        "writer_start_s",
-                        "sync_s",
-                        "prepare_s",
-                        "finish_s",
-                    )
-                }
-                breakdown.setdefault(name, []).append(
-                    {
-                        "total_s": round(total, 3),
-                        "bytes_per_token": round(s["bytes"] / max(s["tokens_computed"], 1), 1),
-                        **parts,
-                        "other_s": round(total - sum(parts.values()), 3),
-                        "writer": s["writer"],
-                        "write_mib_per_s": s["write_mib_per_s"],
-                        "write_bound": s["write_bound"],
-                        # files written in writer processes (the rest: rows split over engine steps, in the driver)
-                        "files_by_writer_processes": s.get("files_by_writer_processes"),
-                        "files": s["files"],
-                    }
-                )
+                self.breakdown.setdefault(name, []).append(_run_split(s, total))
             return total
 
         return run
 
-    # the plain write of the run's unquantized bytes, a file a prompt, to each output directory
-    plain_sizes = [n * hidden * len(layer_ids_resolved) * getattr(torch, a.dtype).itemsize for n in lengths]
-
-    def time_plain():
-        for od in out_dirs:
-            rec(f"plain[{od or default_dir}]", _plain_write_s(out_roots[od], plain_sizes))
-
-    def rec(name, dt):  # (printed as measured: a run cut short keeps what it measured)
-        times.setdefault(name, []).append(dt)
-        print(f"MEASURED {name} run {len(times[name])}: {dt:.3f} s, {tokens / dt:,.0f} tokens/s", flush=True)
-
-    slabs_made: dict[str, list[int]] = {}  # arena slabs the worker had to make during each timed run
-    engine_s: dict[str, list[dict]] = {}  # per timed run: where the engine's time went (s)
-    # worker_expect_s: the worker readying its arena per batch; arena_new_s: the part of it spent
-    # making (on a GPU, page-locking) new slabs
-    ENGINE_KEYS = (
-        "prep_s",
-        "busy_s",
-        "expect_s",
-        "drive_s",
-        "handoff_s",
-        "hook_s",
-        "take_s",
-        "worker_expect_s",
-        "arena_new_s",
-    )
-
-    gc_s: dict[str, list[dict]] = {}  # per timed run: the driver's garbage collections (seconds, gen-2 count)
-    gc_now = {"t0": 0.0, "s": 0.0, "full": 0}
-
-    def on_gc(phase, info):
-        if phase == "start":
-            gc_now["t0"] = time.perf_counter()
-        else:
-            gc_now["s"] += time.perf_counter() - gc_now["t0"]
-            gc_now["full"] += info.get("generation") == 2
-
-    gc.callbacks.append(on_gc)
-
-    def rec_run(gen, name, fn):  # time fn; note the slabs it made, the engine's time split and the driver's GC
-        before = gen.engine.stats()
-        gc_now.update(s=0.0, full=0)
-        rec(name, fn())
-        gc_s.setdefault(name, []).append({"gc_s": round(gc_now["s"], 4), "full_collections": gc_now["full"]})
-        after = gen.engine.stats()
-        slabs_made.setdefault(name, []).append(after.get("arena_slabs_made", 0) - before.get("arena_slabs_made", 0))
-        engine_s.setdefault(name, []).append({k: round(after[k] - before[k], 3) for k in ENGINE_KEYS if k in after})
-
-    wts = [int(x) for x in a.writer_threads.split(",")] if a.writer_threads else [None]
-    wms = a.writer_modes.split(",")
-    cks = a.checksums.split(",")
-    ptws = a.pt_writers.split(",") if a.pt_writers else [None]
-    fmts = a.formats.split(",")
-    shards = [int(x) for x in a.shard_sizes.split(",")]
-    outputs = [(f, n) for f in fmts for n in shards if n == 1 or f == "safetensors"]
-
-    pipeline_tag: dict[str, str] = {}  # pipeline row -> the engine variant's tag (its generate() row's)
-    pipeline_dir: dict[str, str] = {}  # pipeline row -> its output directory
-
-    def time_pipelines(gen, tag):  # every pipeline variant asked for, once each
-        timed = set()
-        for wt, wm, ck, (fmt, shard), ptw, od in itertools.product(wts, wms, cks, outputs, ptws, out_dirs):
+    def pipeline_names(self, tag):  # -> (name, variant) for every pipeline variant asked for
+        seen = set()
+        for wt, wm, ck, (fmt, shard), ptw, od in itertools.product(
+            self.wts, self.wms, self.cks, self.outputs, self.ptws, self.out_dirs
+        ):
             if shard > 1:  # shards are written on a thread, whatever --writer-modes says: once
                 wm = "thread"
-            name = (
-                "pipeline"
-                + tag
-                + (f"[w{wt}]" if wt else "")
-                + (f"[{wm}]" if len(wms) > 1 else "")
-                + (f"[{fmt}]" if len(fmts) > 1 else "")
-                + (f"[s{shard}]" if len(shards) > 1 else "")
-                + (f"[{ck}]" if len(cks) > 1 else "")
-                + (f"[{ptw}]" if len(ptws) > 1 else "")
-                + (f"[{od}]" if len(out_dirs) > 1 else "")
-            )
-            if name in timed:
-                continue
-            timed.add(name)
-            pipeline_tag[name] = tag
-            pipeline_dir[name] = od or default_dir
-            rec_run(gen, name, pipeline_fn(gen, wt, wm, name, ck, fmt, shard, ptw, od))
+            name = "pipeline" + tag
+            for on, part in (
+                (wt, f"[w{wt}]"),
+                (len(self.wms) > 1, f"[{wm}]"),
+                (len(self.fmts) > 1, f"[{fmt}]"),
+                (len(self.shards) > 1, f"[s{shard}]"),
+                (len(self.cks) > 1, f"[{ck}]"),
+                (len(self.ptws) > 1, f"[{ptw}]"),
+                (len(self.out_dirs) > 1, f"[{od}]"),
+            ):
+                name += part if on else ""
+            if name not in seen:
+                seen.add(name)
+                yield name, (wt, wm, ck, fmt, shard, ptw, od)
 
-    def warm_ours(gen, ours):  # the warm-up call, its first batch's rows kept for the native check
-        ours(record=False)
-        if native_info.get("first_batch") is not None:
-            compare_native(gen.generate(batches[0]))
+    def time_pipelines(self, gen, tag):  # every pipeline variant asked for, once each
+        for name, (wt, wm, ck, fmt, shard, ptw, od) in self.pipeline_names(tag):
+            self.pipeline_tag[name] = tag
+            self.pipeline_dir[name] = od or self.default_dir
+            self.rec_run(gen, name, self.pipeline_fn(gen, od, wt, wm, name, ck, fmt, shard, ptw))
 
-    def shut(llm):
-        if hasattr(llm.llm_engine, "engine_core"):
-            llm.llm_engine.engine_core.shutdown()
+    def warm_pipelines(self, gen):  # its writer processes start once; the engine's arena gets its slabs
+        for wm in self.wms:
+            self.pipeline_fn(gen, self.out_dirs[0], self.wts[0], wm)()
 
-    def native_phase(nat, check_and_clean):  # one timed native run: time, then check + delete untimed
-        rec("native", _timed(nat))
-        check_and_clean()
+    def time_plain(self):
+        for od in self.out_dirs:
+            self.rec(f"plain[{od or self.default_dir}]", _plain_write_s(self.out_roots[od], self.plain_sizes))
 
-    if cuda:  # all engines alive; alternate call by call
-        llm, raw = make_raw()
-        engines = {sd: make_ours(sd) for sd in sds}
-        gen, ours = engines[sds[0]]
-        if with_native:
-            nllm, nat, nat_clean, nat_first = make_native()
-            nat(record=False)
-            native_info["first_batch"] = nat_first()
-            nat_clean()
+    # -- the rounds -----------------------------------------------------------------------------------
+    def run_gpu(self) -> None:
+        """Every engine alive at once; the contenders alternate call by call, ``--reps`` rounds."""
+        llm, raw = self.make_raw()
+        engines = {sd: self.make_ours(sd) for sd in self.sds}
+        gen, ours = engines[self.sds[0]]
+        nat = self.make_native() if self.with_native else None
+        if nat is not None:
+            nat.warm()
         raw(record=False)
-        warm_ours(gen, ours)  # warm-up (the pipeline's too: its writer processes start once, and each
-        for sd, (g, o) in engines.items():  # engine's arena gets the slabs a run asks for)
+        self.warm_ours(gen, ours)
+        for sd, (g, o) in engines.items():
             o(record=False)
-            keep_first(g, sd)
-            for wm in wms:
-                pipeline_fn(g, wts[0], wm)()
-        for _ in range(a.reps):
-            rec("raw", _timed(raw))
-            time_plain()
+            self.keep_first(g, sd)
+            self.warm_pipelines(g)
+        for _ in range(self.a.reps):
+            self.rec("raw", _timed(raw))
+            self.time_plain()
             for sd, (g, o) in engines.items():
-                rec_run(g, f"generate[{dev}]{sd_tag(sd)}", lambda o=o: _timed(o))
-                time_pipelines(g, sd_tag(sd))
-            if with_native:
-                native_phase(nat, nat_clean)
+                self.rec_run(g, f"generate[{self.dev}]{sd_tag(sd)}", lambda o=o: _timed(o))
+                self.time_pipelines(g, sd_tag(sd))
+            if nat is not None:
+                nat.timed_run()
         print("worker capture stats:", json.dumps(gen.engine.stats()))
         for g, _ in engines.values():
             g.close()
         del llm
-        if with_native:
-            del nllm
-    else:  # CPU: one engine at a time, alternating phases
-        for _phase in range(2):
-            llm, raw = make_raw()
+        if nat is not None:
+            nat.close()
+
+    def run_cpu(self) -> None:
+        """One engine at a time (an idle vLLM CPU engine's workers still poll), two phases of raw,
+        native and ours in turn, ``--reps`` runs each."""
+        for phase in range(2):
+            llm, raw = self.make_raw()
             raw(record=False)
-            for _ in range(a.reps):
-                rec("raw", _timed(raw))
-                time_plain()
-            shut(llm)
+            for _ in range(self.a.reps):
+                self.rec("raw", _timed(raw))
+                self.time_plain()
+            _shut(llm)
             del llm
-            if with_native:
-                nllm, nat, nat_clean, nat_first = make_native()
-                nat(record=False)
-                if _phase == 0:
-                    native_info["first_batch"] = nat_first()
-                nat_clean()
-                for _ in range(a.reps):
-                    native_phase(nat, nat_clean)
-                shut(nllm)
-                del nllm
-            for sd in sds:
-                gen, ours = make_ours(sd)
-                warm_ours(gen, ours)
-                keep_first(gen, sd)
-                for wm in wms:
-                    pipeline_fn(gen, wts[0], wm)()
-                for _ in range(a.reps):
-                    rec_run(gen, f"generate[{dev}]{sd_tag(sd)}", lambda ours=ours: _timed(ours))
-                    time_pipelines(gen, sd_tag(sd))
+            if self.with_native:
+                nat = self.make_native()
+                nat.warm(keep_first=phase == 0)
+                for _ in range(self.a.reps):
+                    nat.timed_run()
+                nat.close()
+            for sd in self.sds:
+                gen, ours = self.make_ours(sd)
+                self.warm_ours(gen, ours)
+                self.keep_first(gen, sd)
+                self.warm_pipelines(gen)
+                for _ in range(self.a.reps):
+                    self.rec_run(gen, f"generate[{self.dev}]{sd_tag(sd)}", lambda ours=ours: _timed(ours))
+                    self.time_pipelines(gen, sd_tag(sd))
                 gen.close()
-    fp8_error = _fp8_error(first_states, batches[0], path, layer_ids_resolved)
-    if not a.no_hf:
+
+    def run_hf(self) -> None:
+        """HF transformers' forward with output_hidden_states, micro-batched, ``--reps`` runs."""
         from transformers import AutoModelForCausalLM
 
-        m = AutoModelForCausalLM.from_pretrained(path, torch_dtype=getattr(torch, a.dtype)).to(dev).eval()
-        ids = torch.tensor(prompts, device=dev)
+        torch, a = self.torch, self.a
+        m = AutoModelForCausalLM.from_pretrained(self.path, torch_dtype=getattr(torch, a.dtype)).to(self.dev).eval()
+        ids = torch.tensor(self.prompts, device=self.dev)
         mb = max(1, 8192 // a.seq)
 
         def hf():
             with torch.no_grad():
-                for i in range(0, len(prompts), mb):
+                for i in range(0, len(self.prompts), mb):
                     hs = m(ids[i : i + mb], output_hidden_states=True, use_cache=False).hidden_states
                     [h.cpu() for h in hs[1::4]]
-            if cuda:
+            if self.cuda:
                 torch.cuda.synchronize()
 
         hf()
         for _ in range(a.reps):
-            rec("hf", _timed(hf))
-    shutil.rmtree(tmp, ignore_errors=True)
-    for d, root in out_roots.items():
-        if d:
-            shutil.rmtree(root, ignore_errors=True)
+            self.rec("hf", _timed(hf))
 
-    rows = {
-        k: {
-            "tok_s_median": tokens / statistics.median(v),
-            "tok_s_min": tokens / max(v),
-            "tok_s_max": tokens / min(v),
-            "runs": len(v),
-        }
-        for k, v in times.items()
+
+def sd_tag(sd):
+    return "" if sd == "auto" else f"[{sd}]"
+
+
+def _shut(llm):
+    if hasattr(llm.llm_engine, "engine_core"):
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _run_split(s: dict, total: float) -> dict:
+    """A pipeline run's summary, as kept per timed run: where its time went, and its bytes."""
+    parts = {k: s[k] for k in RUN_KEYS}
+    return {
+        "total_s": round(total, 3),
+        "bytes_per_token": round(s["bytes"] / max(s["tokens_computed"], 1), 1),
+        **parts,
+        "other_s": round(total - sum(parts.values()), 3),
+        "writer": s["writer"],
+        "write_mib_per_s": s["write_mib_per_s"],
+        "write_bound": s["write_bound"],
+        # files written in writer processes (the rest: rows split over engine steps, in the driver)
+        "files_by_writer_processes": s.get("files_by_writer_processes"),
+        "files": s["files"],
     }
-    env = {
-        "device": torch.cuda.get_device_name(0) if cuda else f"cpu x{os.cpu_count()}",
-        "vllm": versions.installed("vllm"),
-        "torch": torch.__version__,
-        "model": a.model,
-        "batch": a.batch,
-        "batches": a.batches,
-        "seq": a.seq_mixed or a.seq,
-        "tokens": tokens,
-        "dtype": a.dtype,
-        "max_num_batched_tokens": a.max_num_batched_tokens,
-        "out_dir": default_dir,
-        "out_dirs": out_dirs if a.out_dirs else None,
-        "file_cost_us": file_cost,
-        "sample_bytes": sample_bytes,
-        "layer_ids": layer_ids_resolved,
-    }
-    # per timed run: the first batch's tokens/s over the median of the run's other batches
-    per_batch_tokens = [sum(len(p) for p in b) for b in batches]
-    first_batch = {}
-    if len(batches) > 1:
-        for k, runs in batch_s.items():
-            first_batch[k] = [
-                round(
-                    (per_batch_tokens[0] / ts[0])
-                    / statistics.median(n / t for n, t in zip(per_batch_tokens[1:], ts[1:], strict=True)),
-                    3,
-                )
-                for ts in runs
-            ]
-    print(json.dumps(env))
-    print("| contender | tokens/s (median) | spread (min-max) | runs |")
-    print("|---|---|---|---|")
-    for k, r in rows.items():
-        print(f"| {k} | {r['tok_s_median']:,.0f} | {r['tok_s_min']:,.0f} - {r['tok_s_max']:,.0f} | {r['runs']} |")
-    ratios = {}
-    for gen_key in [k for k in rows if k.startswith("generate")]:
-        ratios[f"{gen_key}/raw"] = rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"]
-        tag = gen_key[gen_key.index("]") + 1 :]  # the variant tags after the copy mode
-        for pk in [k for k in rows if pipeline_tag.get(k) == tag]:
-            ratios[f"{pk}/{gen_key}"] = rows[pk]["tok_s_median"] / rows[gen_key]["tok_s_median"]
-    plain_bps = _bounds(ratios, rows, times, sum(plain_sizes), pipeline_tag, pipeline_dir, breakdown)
-    gen_key = next(k for k in rows if k.startswith("generate"))
-    if "native" in rows:
-        ratios["native/raw"] = rows["native"]["tok_s_median"] / rows["raw"]["tok_s_median"]
-        ratios[f"{gen_key}/native"] = rows[gen_key]["tok_s_median"] / rows["native"]["tok_s_median"]
-    if "hf" in rows:
-        ratios[f"{gen_key}/hf"] = rows[gen_key]["tok_s_median"] / rows["hf"]["tok_s_median"]
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(
-                {
-                    "env": env,
-                    "rows": rows,
-                    "ratios": ratios,
-                    "raw_times_s": times,
-                    "pipeline_breakdown_s": breakdown,
-                    "arena_slabs_made": slabs_made,
-                    "engine_s": engine_s,
-                    "driver_gc": gc_s,
-                    "batch_times_s": batch_s,
-                    "first_batch": first_batch,
-                    "native": native_info or None,
-                    "fp8_error": fp8_error,
-                    "plain_write_bytes_per_s": plain_bps,
-                },
-                f,
-                indent=1,
-            )
-    for k, v in breakdown.items():
-        med = {f: statistics.median(r[f] for r in v) for f in v[0] if f.endswith("_s")}
-        print(f"{k}: median s per run: " + ", ".join(f"{f} {x:.3f}" for f, x in med.items()))
-    print("arena slabs made per timed run:", json.dumps(slabs_made))
-    for k, v in engine_s.items():  # prep: before the first step (of it, busy_s: finding lent slabs, and
-        # expect_s: that plus announcing the batch to the workers; the rest: handing vLLM the requests);
-        # drive: scheduling and forwards; handoff: taking the rows over
-        if v and v[0]:
-            print(
-                f"{k}: engine median s per run: "
-                + ", ".join(f"{f} {statistics.median(r[f] for r in v):.3f}" for f in v[0])
-            )
-    for k, v in gc_s.items():
-        print(
-            f"{k}: driver GC per run: median {statistics.median(r['gc_s'] for r in v):.4f} s, "
-            f"full collections {[r['full_collections'] for r in v]}"
-        )
-    if first_batch:
-        print("first batch tokens/s over the run's other batches, per timed run:", json.dumps(first_batch))
-    if native_info:
-        print("native:", json.dumps({k: v for k, v in native_info.items() if k != "complete_at_return"}))
-        done = native_info.get("complete_at_return") or []
-        if done:
-            print(f"native: files complete when generate() returned: {statistics.mean(done):.1%} on average")
-    for k, v in breakdown.items():
-        print(f"{k}: bytes per token {v[0]['bytes_per_token']:,.1f}")
-    if fp8_error:
-        print("fp8 error, first batch, per layer and token (relative L2 over hidden):", json.dumps(fp8_error))
-    print("ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    bench = Bench(a)
+    bench.run_gpu() if bench.cuda else bench.run_cpu()
+    fp8_error = throughput_report.fp8_error(bench)
+    if not a.no_hf:
+        bench.run_hf()
+    bench.cleanup()
+    throughput_report.report(bench, fp8_error)
     return 0
-
-
-def _bounds(ratios, rows, times, plain_bytes, pipeline_tag, pipeline_dir, breakdown) -> dict:
-    """Into ``ratios``: each pipeline row over what bounds it, min(its engine's generate(), the plain
-    write's bytes/s to its directory over the row's bytes per token); each FP8 pipeline row over the
-    same row unquantized; each FP8 generate() over the unquantized one. Returns the plain write's
-    bytes/s per directory (median run)."""
-    plain_bps = {k[6:-1]: plain_bytes / statistics.median(v) for k, v in times.items() if k.startswith("plain[")}
-    for d, bps in plain_bps.items():
-        print(f"plain write to {d}: {bps / 1e9:.2f} GB/s")
-    gens = {k[k.index("]") + 1 :]: k for k in rows if k.startswith("generate")}  # engine tag -> its row
-    for pk, d in pipeline_dir.items():
-        gk = gens.get(pipeline_tag[pk])
-        if pk not in rows or gk is None:
-            continue
-        bound = rows[gk]["tok_s_median"]
-        if d in plain_bps:
-            bound = min(bound, plain_bps[d] / breakdown[pk][0]["bytes_per_token"])
-        ratios[f"{pk}/min({gk},plain[{d}])"] = rows[pk]["tok_s_median"] / bound
-        bf16 = pk.replace("[fp8]", "", 1)
-        if bf16 != pk and bf16 in rows:
-            ratios[f"{pk}/{bf16}"] = rows[pk]["tok_s_median"] / rows[bf16]["tok_s_median"]
-    for tag, gk in gens.items():
-        bf16 = gens.get(tag.replace("[fp8]", "", 1))
-        if "[fp8]" in tag and bf16:
-            ratios[f"{gk}/{bf16}"] = rows[gk]["tok_s_median"] / rows[bf16]["tok_s_median"]
-    return plain_bps
-
-
-def _fp8_error(first_states: dict, prompts: list, path: str, layer_ids: list) -> dict | None:
-    """Worst and median relative error per (layer, token) of the FP8 states, against the
-    unquantized engine's and against HF's (float32); and the unquantized states' against HF."""
-    if "fp8" not in first_states or "auto" not in first_states:
-        return None
-    import torch
-
-    from speculators_compat.testing.reference import HFReference
-
-    # float32 on the GPU when there is one (the engines are shut by now); the CPU takes minutes
-    ref = HFReference(path, layer_ids, device="cuda" if torch.cuda.is_available() else "cpu")
-
-    def rel(a, b):  # [T, L, H] -> [T * L]
-        return ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).flatten()
-
-    hf = [torch.stack(ref(p), dim=1) for p in prompts]
-    out = {}
-    for name, pairs in (
-        ("fp8_vs_unquantized", zip(first_states["fp8"], first_states["auto"])),
-        ("fp8_vs_hf", zip(first_states["fp8"], hf)),
-        ("unquantized_vs_hf", zip(first_states["auto"], hf)),
-    ):
-        e = torch.cat([rel(x, y) for x, y in pairs])
-        out[name] = {"worst": round(float(e.max()), 5), "median": round(float(e.median()), 5)}
-    return out
 
 
 if __name__ == "__main__":
