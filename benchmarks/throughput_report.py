@@ -22,6 +22,7 @@ def report(b, fp8_error: dict | None) -> None:
         print(f"| {k} | {r['tok_s_median']:,.0f} | {r['tok_s_min']:,.0f} - {r['tok_s_max']:,.0f} | {r['runs']} |")
     ratios = _ratios(b, rows)
     plain_bps = _bounds(b, ratios, rows)
+    _batches_only(b, ratios, rows)
     gen_key = next(k for k in rows if k.startswith("generate"))
     if "native" in rows:
         ratios["native/raw"] = rows["native"]["tok_s_median"] / rows["raw"]["tok_s_median"]
@@ -142,6 +143,19 @@ def _bounds(b, ratios, rows) -> dict:
         if "[fp8]" in tag and bf16:
             ratios[f"{gk}/{bf16}"] = rows[gk]["tok_s_median"] / rows[bf16]["tok_s_median"]
     return plain_bps
+
+
+def _batches_only(b, ratios, rows) -> None:
+    """Into ``ratios``: each pipeline row's median run less its fixed cost (``prepare_s`` before the
+    engine, ``finish_s`` after the last file: a run's, whatever its length) over its engine's
+    generate(), as ``PIPELINE[batches]/GENERATE``: what a run long enough to amortize them keeps."""
+    gens = {k[k.index("]") + 1 :]: k for k in rows if k.startswith("generate")}
+    for pk, runs in b.breakdown.items():
+        gk = gens.get(b.pipeline_tag.get(pk))
+        if gk is None:
+            continue
+        s = statistics.median(r["total_s"] - r["prepare_s"] - r["finish_s"] for r in runs)
+        ratios[f"{pk}[batches]/{gk}"] = b.tokens / s / rows[gk]["tok_s_median"]
 
 
 def _print_splits(b, first_batch) -> None:
