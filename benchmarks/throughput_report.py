@@ -106,12 +106,16 @@ def _first_batch(b) -> dict:
     return out
 
 
+def _generate_rows(rows) -> dict:
+    """Engine variant tag (what follows ``generate[DEVICE]``, e.g. ``[fp8]``) -> its generate() row."""
+    return {k[k.index("]") + 1 :]: k for k in rows if k.startswith("generate")}
+
+
 def _ratios(b, rows) -> dict:
     """Each generate() row over raw vLLM, and each pipeline row over its engine's generate()."""
     ratios = {}
-    for gen_key in [k for k in rows if k.startswith("generate")]:
+    for tag, gen_key in _generate_rows(rows).items():
         ratios[f"{gen_key}/raw"] = rows[gen_key]["tok_s_median"] / rows["raw"]["tok_s_median"]
-        tag = gen_key[gen_key.index("]") + 1 :]  # the variant tags after the copy mode
         for pk in [k for k in rows if b.pipeline_tag.get(k) == tag]:
             ratios[f"{pk}/{gen_key}"] = rows[pk]["tok_s_median"] / rows[gen_key]["tok_s_median"]
     return ratios
@@ -126,7 +130,7 @@ def _bounds(b, ratios, rows) -> dict:
     plain_bps = {k[6:-1]: plain_bytes / statistics.median(v) for k, v in b.times.items() if k.startswith("plain[")}
     for d, bps in plain_bps.items():
         print(f"plain write to {d}: {bps / 1e9:.2f} GB/s")
-    gens = {k[k.index("]") + 1 :]: k for k in rows if k.startswith("generate")}  # engine tag -> its row
+    gens = _generate_rows(rows)
     for pk, d in b.pipeline_dir.items():
         gk = gens.get(b.pipeline_tag[pk])
         if pk not in rows or gk is None:
@@ -149,7 +153,7 @@ def _batches_only(b, ratios, rows) -> None:
     """Into ``ratios``: each pipeline row's median run less its fixed cost (``prepare_s`` before the
     engine, ``finish_s`` after the last file: a run's, whatever its length) over its engine's
     generate(), as ``PIPELINE[batches]/GENERATE``: what a run long enough to amortize them keeps."""
-    gens = {k[k.index("]") + 1 :]: k for k in rows if k.startswith("generate")}
+    gens = _generate_rows(rows)
     for pk, runs in b.breakdown.items():
         gk = gens.get(b.pipeline_tag.get(pk))
         if gk is None:
