@@ -149,6 +149,11 @@ class Contender:
         return [load_file(f)["hidden_states"] for f, _ in self.written[: len(self.b.batches[0])]]
 
     def close(self):
-        if hasattr(self.llm.llm_engine, "engine_core"):
-            self.llm.llm_engine.engine_core.shutdown()
+        shut(self.llm)
         del self.llm
+
+
+def shut(llm) -> None:
+    """End an ``LLM``'s engine processes now (not at garbage collection)."""
+    if hasattr(llm.llm_engine, "engine_core"):
+        llm.llm_engine.engine_core.shutdown()

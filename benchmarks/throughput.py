@@ -524,7 +524,7 @@ class Bench:
             for _ in range(self.a.reps):
                 self.rec("raw", _timed(raw))
                 self.time_plain()
-            _shut(llm)
+            native.shut(llm)
             del llm
             if self.with_native:
                 nat = self.make_native()
@@ -566,11 +566,6 @@ class Bench:
 
 def sd_tag(sd):
     return "" if sd == "auto" else f"[{sd}]"
-
-
-def _shut(llm):
-    if hasattr(llm.llm_engine, "engine_core"):
-        llm.llm_engine.engine_core.shutdown()
 
 
 def _run_split(s: dict, total: float) -> dict:
