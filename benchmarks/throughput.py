@@ -38,7 +38,6 @@ engine's workers still poll), in the order raw, ours, raw, ours...
 
 from __future__ import annotations
 
-import argparse
 import gc
 import itertools
 import json
@@ -48,11 +47,12 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # native.py, writer.py beside this file
 import native  # noqa: E402
+import throughput_args  # noqa: E402
 import throughput_report  # noqa: E402
+import writer  # noqa: E402
 
 
 def _timed(fn) -> float:
@@ -71,101 +71,6 @@ def _sample_bytes(path: str, lengths: list[int], itemsize: int, layers: str | No
     """Bytes of hidden states in one median-length sample (what a data file mostly holds)."""
     n_layers = len(layers.split(",")) if layers else 4  # upstream's default ids: 4 of them
     return int(statistics.median(lengths)) * _hidden_size(path) * n_layers * itemsize
-
-
-def _file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
-    """CPU microseconds (this thread: user + kernel) per file to create, write ``nbytes`` and rename
-    into ``root``, as the pipeline's writer does (the files are deleted afterwards, untimed)."""
-    from speculators_compat.files.formats import write_parts
-
-    n = n or max(20, min(400, (256 << 20) // max(nbytes, 1)))  # at most ~256 MiB written
-    d = tempfile.mkdtemp(prefix="fs-probe-", dir=root)
-    data = os.urandom(nbytes)
-    t = time.thread_time()
-    for i in range(n):
-        write_parts(os.path.join(d, f"data_{i}.pt"), [data])
-    per_file = (time.thread_time() - t) / n * 1e6
-    shutil.rmtree(d)
-    return {"write_us": round(per_file, 1), "files": n}
-
-
-def _plain_write_s(root: str, sizes: list[int]) -> float:
-    """Seconds for one thread to write files of ``sizes`` bytes into ``root`` (writer.py's plain
-    write: one write and fdatasync a file), the baseline the pipeline's disk rate is held against;
-    the files are deleted afterwards, untimed."""
-    import writer
-
-    d = Path(tempfile.mkdtemp(prefix="plain-", dir=root))
-    data = memoryview(os.urandom(max(sizes)))
-    dt = writer.write_plain(d, ((f"data_{i}.bin", [data[:n]]) for i, n in enumerate(sizes)))
-    shutil.rmtree(d)
-    return dt
-
-
-def _args(argv):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama", help="tiny model name (llama, llama-100m, llama-1b) or a path")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument(
-        "--batches", type=int, default=4, help="batches per timed run (the pipeline's writes overlap the next)"
-    )
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument(
-        "--seq-mixed",
-        default=None,
-        help="LO,HI: each prompt's length drawn (seeded) from LO..HI "
-        "instead of --seq, so engine steps split prompts as with a real dataset",
-    )
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
-    ap.add_argument("--layers", default=None, help="comma-separated layer ids (default: upstream's 4)")
-    ap.add_argument(
-        "--writer-threads", default=None, help="e.g. '8,16': pipeline writer threads (default: the pipeline's)"
-    )
-    ap.add_argument("--writer-modes", default="auto", help="e.g. 'thread,process': the pipeline's writer")
-    ap.add_argument(
-        "--pt-writers",
-        default=None,
-        help="e.g. 'direct,torch': how data_{i}.pt files are made "
-        "(SPECULATORS_COMPAT_PT_WRITER: the direct encoder, the default, or torch.save)",
-    )
-    ap.add_argument(
-        "--checksums",
-        default="crc32",
-        help="e.g. 'crc32,sha256': the pipeline's file checksum (crc32 is the pipeline's default)",
-    )
-    ap.add_argument("--formats", default="pt", help="e.g. 'pt,safetensors': the pipeline's output format")
-    ap.add_argument(
-        "--shard-sizes",
-        default="1",
-        help="e.g. '1,64': samples per file (> 1: safetensors shards, timed with --formats safetensors only)",
-    )
-    ap.add_argument(
-        "--out-dir",
-        default=None,
-        help="where the pipeline writes (default: a temp dir; e.g. /dev/shm to take the disk out of the measurement)",
-    )
-    ap.add_argument(
-        "--out-dirs",
-        default=None,
-        help="e.g. '/tmp,/dev/shm': time the pipeline writing to each, "
-        "alternated in one run (overrides --out-dir for the pipeline's output)",
-    )
-    ap.add_argument(
-        "--states-dtypes",
-        default="auto",
-        help="e.g. 'auto,fp8': the generate and pipeline contenders on an engine of each states dtype "
-        "(on a GPU all engines stay alive: leave room for each with --gpu-memory-utilization)",
-    )
-    ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--no-native", action="store_true", help="leave out vLLM's own extractor")
-    ap.add_argument("--json", default=None, help="write the figures here too")
-    a = ap.parse_args(argv)
-    if a.seq_mixed and not a.no_hf:
-        ap.error("--seq-mixed needs --no-hf (the HF contender runs equal-length micro-batches)")
-    return a
 
 
 # the engine's own split of its time (ExtractionEngine.stats()), kept per timed run. prep: before the
@@ -301,7 +206,7 @@ class Bench:
         # bytes, rename (the pipeline's own write_parts), in CPU time of the writing thread
         self.sample_bytes = _sample_bytes(self.path, self.lengths, itemsize, a.layers)
         self.file_cost = {
-            d or self.default_dir: _file_cost_us(self.out_roots[d], self.sample_bytes) for d in self.out_dirs
+            d or self.default_dir: writer.file_cost_us(self.out_roots[d], self.sample_bytes) for d in self.out_dirs
         }
         print(
             f"filesystem cost per file (create + write + rename, CPU us; one sample = {self.sample_bytes:,} B):",
@@ -483,7 +388,7 @@ class Bench:
 
     def time_plain(self):
         for od in self.out_dirs:
-            self.rec(f"plain[{od or self.default_dir}]", _plain_write_s(self.out_roots[od], self.plain_sizes))
+            self.rec(f"plain[{od or self.default_dir}]", writer.plain_write_s(self.out_roots[od], self.plain_sizes))
 
     # -- the rounds -----------------------------------------------------------------------------------
     def run_gpu(self) -> None:
@@ -586,7 +491,7 @@ def _run_split(s: dict, total: float) -> dict:
 
 
 def main(argv=None) -> int:
-    a = _args(argv)
+    a = throughput_args.parse(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")

@@ -99,6 +99,33 @@ def write_plain(out: Path, files) -> float:
     return time.perf_counter() - t
 
 
+def file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
+    """CPU microseconds (this thread: user + kernel) per file to create, write ``nbytes`` and rename
+    into ``root``, as the pipeline's writer does (the files are deleted afterwards, untimed)."""
+    from speculators_compat.files.formats import write_parts
+
+    n = n or max(20, min(400, (256 << 20) // max(nbytes, 1)))  # at most ~256 MiB written
+    d = tempfile.mkdtemp(prefix="fs-probe-", dir=root)
+    data = os.urandom(nbytes)
+    t = time.thread_time()
+    for i in range(n):
+        write_parts(os.path.join(d, f"data_{i}.pt"), [data])
+    per_file = (time.thread_time() - t) / n * 1e6
+    shutil.rmtree(d)
+    return {"write_us": round(per_file, 1), "files": n}
+
+
+def plain_write_s(root: str, sizes: list[int]) -> float:
+    """Seconds for one thread to write files of ``sizes`` bytes into ``root`` (writer.py's plain
+    write: one write and fdatasync a file), the baseline the pipeline's disk rate is held against;
+    the files are deleted afterwards, untimed."""
+    d = Path(tempfile.mkdtemp(prefix="plain-", dir=root))
+    data = memoryview(os.urandom(max(sizes)))
+    dt = write_plain(d, ((f"data_{i}.bin", [data[:n]]) for i, n in enumerate(sizes)))
+    shutil.rmtree(d)
+    return dt
+
+
 def plain_run(root, batches):
     """The same states written by one thread, a file a sample (write_plain)."""
     out = root / "plain"
