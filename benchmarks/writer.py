@@ -101,7 +101,8 @@ def write_plain(out: Path, files) -> float:
 
 def file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
     """CPU microseconds (this thread: user + kernel) per file to create, write ``nbytes`` and rename
-    into ``root``, as the pipeline's writer does (the files are deleted afterwards, untimed)."""
+    into ``root``, as the pipeline's writer does (throughput.py reports it per output directory;
+    the files are deleted afterwards, untimed)."""
     from speculators_compat.files.formats import write_parts
 
     n = n or max(20, min(400, (256 << 20) // max(nbytes, 1)))  # at most ~256 MiB written
@@ -116,9 +117,9 @@ def file_cost_us(root: str, nbytes: int, n: int | None = None) -> dict:
 
 
 def plain_write_s(root: str, sizes: list[int]) -> float:
-    """Seconds for one thread to write files of ``sizes`` bytes into ``root`` (writer.py's plain
-    write: one write and fdatasync a file), the baseline the pipeline's disk rate is held against;
-    the files are deleted afterwards, untimed."""
+    """Seconds for one thread to write files of ``sizes`` bytes of random data into ``root``
+    (write_plain), throughput.py's baseline for the pipeline's disk rate; the files are deleted
+    afterwards, untimed."""
     d = Path(tempfile.mkdtemp(prefix="plain-", dir=root))
     data = memoryview(os.urandom(max(sizes)))
     dt = write_plain(d, ((f"data_{i}.bin", [data[:n]]) for i, n in enumerate(sizes)))
