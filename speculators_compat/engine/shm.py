@@ -23,28 +23,58 @@ PREFIXES = ("psm_",)  # Python's SharedMemory names, which vLLM's message queues
 MIN_AGE_S = 10.0
 
 
-def _in_use(d: str) -> set[str]:
-    """Names under ``d`` that a process we can see has mapped or open."""
-    used: set[str] = set()
-    me = os.getuid()
+def _our_pids() -> list[str]:
+    """The processes whose files we may read: all of them as root, else this user's."""
+    me, pids = os.getuid(), []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
-        base = f"/proc/{pid}"
         try:
-            if me != 0 and os.stat(base).st_uid != me:
-                continue
-            with open(f"{base}/maps", encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    i = line.find(d + "/")
-                    if i >= 0:
-                        used.add(line[i + len(d) + 1 :].split()[0])
-            for fd in os.listdir(f"{base}/fd"):
-                target = os.readlink(f"{base}/fd/{fd}")
+            if me == 0 or os.stat(f"/proc/{pid}").st_uid == me:
+                pids.append(pid)
+        except OSError:  # (a process that ended meanwhile)
+            continue
+    return pids
+
+
+def _held_open(d: str, pids: list[str]) -> set[str]:
+    """Names under ``d`` that one of ``pids`` has open (its fd links: cheap to read)."""
+    used: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith(d + "/"):
                     used.add(target[len(d) + 1 :].split()[0])
         except OSError:  # (a process that ended meanwhile, or one we may not read)
             continue
+    return used
+
+
+def _mapped(d: str, pids: list[str], names: set[str]) -> set[str]:
+    """Which of ``names`` under ``d`` one of ``pids`` maps (its maps file: thousands of lines in a
+    GPU process, so read only for names no process has open, and no further once all are found)."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    i = line.find(d + "/")
+                    if i >= 0 and (name := line[i + len(d) + 1 :].split()[0]) in names:
+                        found.add(name)
+        except OSError:
+            continue
+        if found == names:
+            break
+    return found
+
+
+def _in_use(d: str, names: set[str]) -> set[str]:
+    """Which of ``names`` under ``d`` a process we can see has open or mapped."""
+    pids = _our_pids()
+    used = _held_open(d, pids) & names
+    if names - used:
+        used |= _mapped(d, pids, names - used)
     return used
 
 
@@ -66,7 +96,7 @@ def orphan_shm(d: str = "/dev/shm", min_age_s: float = MIN_AGE_S) -> list[tuple[
             candidates[name] = st.st_size
     if not candidates:
         return []
-    used = _in_use(d)
+    used = _in_use(d, set(candidates))
     return [(name, size) for name, size in candidates.items() if name not in used]
 
 
