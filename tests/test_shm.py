@@ -52,7 +52,8 @@ def test_a_killed_engines_shared_memory_is_removed_and_live_ones_stay():
     opened = None
     try:
         assert not any(
-            os.readlink(f"/proc/{mapped_p.pid}/fd/{fd}").endswith(mapped) for fd in os.listdir(f"/proc/{mapped_p.pid}/fd")
+            os.readlink(f"/proc/{mapped_p.pid}/fd/{fd}").endswith(mapped)
+            for fd in os.listdir(f"/proc/{mapped_p.pid}/fd")
         )
         _, held = _make(keep_mapped=False)
         opened = os.open(f"/dev/shm/{held}", os.O_RDONLY)  # (open, not mapped: still in use)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...engine.fp8 import SCALES_KEY
 from ...files.formats import write_sample
@@ -72,7 +72,7 @@ def _writer_process_main(task_conn, result_conn) -> None:
                 sample = _task_sample(t, maps)
                 path = Path(task.root) / file_name(t.index, task.fmt)
                 digest, nbytes = write_sample(path, sample, task.fmt, task.checksum, durable=True, times=times)
-                done.append((t.index, digest, nbytes, int(t.input_ids.size)))
+                done.append(FileWritten(t.index, digest, nbytes, int(t.input_ids.size), os.stat(path).st_mtime_ns))
             except BaseException as e:  # reported to the driver, which stops the run
                 err = (t.index, f"{type(e).__name__}: {e}", getattr(e, "errno", None))
                 result_conn.send(("error", done, times.take(), *err))
@@ -130,6 +130,17 @@ class SampleTask:
     dtype: str  # torch dtype name
     scales: tuple[str, int, int] | None = None  # FP8 states: where their float32 scales lie
     dequantize_dtype: str | None = None  # FP8 states: the model's dtype (a pt file dequantizes to it)
+
+
+class FileWritten(NamedTuple):
+    """A file a writer process wrote, synced and renamed into place (wire record of its results:
+    the driver records it in checksums.jsonl as it stands, without reading the file again)."""
+
+    index: int
+    digest: str | None
+    nbytes: int
+    tokens: int
+    mtime_ns: int
 
 
 @dataclass

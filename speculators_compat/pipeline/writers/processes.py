@@ -336,6 +336,8 @@ class ProcessWriter(Writer):
             with self._cv:
                 self._times.add(times)
             self._done(index, digest, nbytes, int(sample["input_ids"].numel()))
+            with self._cv:
+                self._sums.flush()
         except BaseException as e:
             self._fail(e)
 
@@ -350,11 +352,12 @@ class ProcessWriter(Writer):
         self._poll(0)
         return self._sums.bytes
 
-    def _done(self, index: int, digest: str, nbytes: int, tokens: int) -> None:
+    def _done(self, index: int, digest: str, nbytes: int, tokens: int, mtime_ns: int | None = None) -> None:
+        """Record a written file (flushed by the caller) and free its sample's rows."""
         with self._cv:
             if index not in self._pending:  # not ours (cannot happen: the pool restarts after a failure)
                 raise OutputError(f"writer process reported sample {index}, which this run did not send")
-            self._sums.add(index, digest, nbytes, tokens)
+            self._sums.add(index, digest, nbytes, tokens, mtime_ns=mtime_ns, flush=False)
             done = self._pending.pop(index)  # drops the sample: its rows may be reused
             if done.proc is not None:
                 done.proc.load -= done.size
@@ -417,8 +420,12 @@ class ProcessWriter(Writer):
             try:
                 with self._cv:
                     self._times.add(msg[2])
-                for rec in msg[1]:
-                    self._done(*rec)
+                try:
+                    for rec in msg[1]:
+                        self._done(*rec)
+                finally:
+                    with self._cv:
+                        self._sums.flush()
                 if msg[0] == "error":  # (its errno kept: a full disk is told apart by the run)
                     cause = OSError(msg[5], msg[4]) if msg[5] is not None else None
                     err = OutputError(f"writing sample {msg[3]} failed: {msg[4]}")

@@ -43,25 +43,36 @@ class ChecksumLog:
         tokens: int,
         file: str | None = None,
         samples: int | None = None,
+        mtime_ns: int | None = None,
+        flush: bool = True,
     ) -> None:
-        """``file``/``samples``: a shard's name and sample count (its ``index`` is its first sample)."""
+        """``file``/``samples``: a shard's name and sample count (its ``index`` is its first sample).
+        ``mtime_ns``: the file's modification time where its writer read it (else read here).
+        ``flush=False``: the caller flushes once after a group of records (``flush()``)."""
         t = time.perf_counter()
         name = file or file_name(index, self.fmt)
         rec = {"index": index, "file": name, "bytes": nbytes, "tokens": tokens}
-        try:  # the file's write time: a resume checks that the file has not changed since (OutputDir)
-            rec["mtime_ns"] = os.stat(self.root / name).st_mtime_ns
-        except OSError:
-            pass
+        if mtime_ns is None:  # the file's write time: a resume checks that it has not changed since
+            try:
+                mtime_ns = os.stat(self.root / name).st_mtime_ns
+            except OSError:
+                pass
+        if mtime_ns is not None:
+            rec["mtime_ns"] = mtime_ns
         if samples is not None:
             rec["samples"] = samples
         if digest is not None:
             rec[self.checksum] = digest
         rec["durable"] = True  # (every writer syncs a file before it renames and records it)
         self.f.write(json.dumps(rec) + "\n")
-        self.f.flush()
+        if flush:
+            self.f.flush()
         self.written += 1
         self.bytes += nbytes
         self.record_s += time.perf_counter() - t
+
+    def flush(self) -> None:
+        self.f.flush()
 
     def close(self) -> None:
         self.f.close()

@@ -106,8 +106,10 @@ def _write_with_both(tmp_path, items, reader, fmt="pt", split=3, workers=2):
         bw.put(items[split:])
         bw.close()
         files = {p.name: p.read_bytes() for p in (tmp_path / kind).glob("data_*")}
-        sums = sorted(json.loads(x)["crc32"] for x in (tmp_path / kind / "checksums.jsonl").read_text().splitlines())
-        got[kind] = (files, sums, bw)
+        recs = [json.loads(x) for x in (tmp_path / kind / "checksums.jsonl").read_text().splitlines()]
+        for r in recs:  # (a writer process reads it itself: the driver does not stat the file)
+            assert r["mtime_ns"] == (tmp_path / kind / r["file"]).stat().st_mtime_ns, (kind, r)
+        got[kind] = (files, sorted(r["crc32"] for r in recs), bw)
     return got
 
 
