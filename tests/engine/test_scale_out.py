@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from speculators_compat.pipeline.output.outdir import OutputDir
 from speculators_compat.testing import reference
 from tests.helpers import make_jsonl, read_dir
 
@@ -172,14 +173,7 @@ def _recorded(files: list[Path], out: Path) -> list[Path]:
     """The ``files`` a resume may trust: those with a record in a checksums.jsonl of ``out``. A
     writer renames a durable file in before it records it, so a kill between the two leaves a
     file on disk with no record, which a resume computes again."""
-    names = set()
-    for log in [out / "checksums.jsonl", *out.glob("rank_*/checksums.jsonl")]:
-        if log.exists():
-            for line in log.read_text().splitlines():
-                try:
-                    names.add(json.loads(line)["file"])
-                except json.JSONDecodeError:
-                    continue  # (a torn last line: its file is not recorded)
+    names = {r["file"] for r in OutputDir(out).checksum_records(all_ranks=True).values()}
     return [p for p in files if p.name in names]
 
 

@@ -336,8 +336,6 @@ class ProcessWriter(Writer):
             with self._cv:
                 self._times.add(times)
             self._done(index, digest, nbytes, int(sample["input_ids"].numel()))
-            with self._cv:
-                self._sums.flush()
         except BaseException as e:
             self._fail(e)
 
@@ -353,11 +351,11 @@ class ProcessWriter(Writer):
         return self._sums.bytes
 
     def _done(self, index: int, digest: str, nbytes: int, tokens: int, mtime_ns: int | None = None) -> None:
-        """Record a written file (flushed by the caller) and free its sample's rows."""
+        """Record a written file and free its sample's rows."""
         with self._cv:
             if index not in self._pending:  # not ours (cannot happen: the pool restarts after a failure)
                 raise OutputError(f"writer process reported sample {index}, which this run did not send")
-            self._sums.add(index, digest, nbytes, tokens, mtime_ns=mtime_ns, flush=False)
+            self._sums.add(index, digest, nbytes, tokens, mtime_ns=mtime_ns)
             done = self._pending.pop(index)  # drops the sample: its rows may be reused
             if done.proc is not None:
                 done.proc.load -= done.size
@@ -420,12 +418,8 @@ class ProcessWriter(Writer):
             try:
                 with self._cv:
                     self._times.add(msg[2])
-                try:
-                    for rec in msg[1]:
-                        self._done(*rec)
-                finally:
-                    with self._cv:
-                        self._sums.flush()
+                for rec in msg[1]:
+                    self._done(*rec)
                 if msg[0] == "error":  # (its errno kept: a full disk is told apart by the run)
                     cause = OSError(msg[5], msg[4]) if msg[5] is not None else None
                     err = OutputError(f"writing sample {msg[3]} failed: {msg[4]}")

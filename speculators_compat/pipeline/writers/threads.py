@@ -44,11 +44,9 @@ class ChecksumLog:
         file: str | None = None,
         samples: int | None = None,
         mtime_ns: int | None = None,
-        flush: bool = True,
     ) -> None:
         """``file``/``samples``: a shard's name and sample count (its ``index`` is its first sample).
-        ``mtime_ns``: the file's modification time where its writer read it (else read here).
-        ``flush=False``: the caller flushes once after a group of records (``flush()``)."""
+        ``mtime_ns``: the file's modification time where its writer read it (else read here)."""
         t = time.perf_counter()
         name = file or file_name(index, self.fmt)
         rec = {"index": index, "file": name, "bytes": nbytes, "tokens": tokens}
@@ -65,14 +63,10 @@ class ChecksumLog:
             rec[self.checksum] = digest
         rec["durable"] = True  # (every writer syncs a file before it renames and records it)
         self.f.write(json.dumps(rec) + "\n")
-        if flush:
-            self.f.flush()
+        self.f.flush()
         self.written += 1
         self.bytes += nbytes
         self.record_s += time.perf_counter() - t
-
-    def flush(self) -> None:
-        self.f.flush()
 
     def close(self) -> None:
         self.f.close()
